@@ -1,0 +1,281 @@
+"""Typed configuration: the server's settings and each model's ``config.yaml``.
+
+Units are part of field names (``max_queue_delay_us``, ``request_timeout_s``). Names follow
+Triton's model configuration wherever Triton has a name for the thing (``max_batch_size``,
+``dynamic_batching``, ``preferred_batch_sizes``, ``instance_group``, ``version_policy``).
+
+Model configs are validated with pydantic; :func:`load_model_config` turns a validation
+failure into a :class:`~gpuserve.errors.ConfigError` whose message names the file, the field,
+the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuserve.errors import ConfigError
+from gpuserve.protocol.datatypes import Datatype
+
+CONFIG_FILENAME = "config.yaml"
+
+
+class _Strict(BaseModel):
+    """Base for config sections: unknown keys are errors, so typos are caught at load."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorSpec(_Strict):
+    """One declared input or output.
+
+    Attributes:
+        name: Tensor name used on the wire.
+        datatype: KServe V2 datatype (FP32, INT64, BYTES, ...).
+        shape: Shape without the batch dimension; ``-1`` marks a variable dimension.
+            ``[]`` declares one value per batch row.
+        optional: Inputs only: the request may omit it.
+    """
+
+    name: str = Field(min_length=1)
+    datatype: Datatype
+    shape: list[int]
+    optional: bool = False
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, shape: list[int]) -> list[int]:
+        for dim in shape:
+            if dim < -1 or dim == 0:
+                raise ValueError(f"each dim must be a positive integer or -1, got {dim}")
+        return shape
+
+
+class DynamicBatchingConfig(_Strict):
+    """How requests are merged into batches (Triton's ``dynamic_batching``).
+
+    Attributes:
+        max_queue_delay_us: Longest a request waits for others to join its batch,
+            microseconds. 0 sends whatever is queued as soon as an instance is free, which
+            still batches under load (requests gather while the instance is busy).
+        preferred_batch_sizes: Batch sizes (rows) to send at once when reachable, without
+            waiting out ``max_queue_delay_us``.
+        max_queue_size: Most requests held in the queue; one more is refused with 429.
+        default_timeout_us: Queue timeout of a request that names none, microseconds;
+            0 means no timeout. A request past it is refused with 503 and never run.
+        priority_levels: Number of priority levels; level 1 is served first.
+        default_priority_level: Level of a request that names none.
+    """
+
+    max_queue_delay_us: int = Field(default=0, ge=0, le=60_000_000)
+    preferred_batch_sizes: list[int] = Field(default_factory=list)
+    max_queue_size: int = Field(default=1024, ge=1)
+    default_timeout_us: int = Field(default=0, ge=0)
+    priority_levels: int = Field(default=1, ge=1, le=16)
+    default_priority_level: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> DynamicBatchingConfig:
+        if self.default_priority_level > self.priority_levels:
+            raise ValueError(
+                f"default_priority_level={self.default_priority_level} exceeds "
+                f"priority_levels={self.priority_levels}"
+            )
+        for size in self.preferred_batch_sizes:
+            if size < 1:
+                raise ValueError(f"preferred_batch_sizes must be >= 1, got {size}")
+        return self
+
+
+class InstanceGroup(_Strict):
+    """Copies of the model to run (Triton's ``instance_group``).
+
+    Attributes:
+        count: Instances on each listed device.
+        kind: ``auto`` (GPU when CUDA is available, else CPU), ``gpu`` or ``cpu``.
+        gpus: GPU ids for kind gpu/auto; empty means every visible GPU.
+    """
+
+    count: int = Field(default=1, ge=1, le=64)
+    kind: Literal["auto", "gpu", "cpu"] = "auto"
+    gpus: list[int] = Field(default_factory=list)
+
+
+class LatestPolicy(_Strict):
+    num_versions: int = Field(default=1, ge=1)
+
+
+class SpecificPolicy(_Strict):
+    versions: list[int] = Field(min_length=1)
+
+
+class VersionPolicy(_Strict):
+    """Which numeric version folders are served. Exactly one of the three may be set.
+
+    ``latest: {num_versions: N}`` (default, N=1), ``all: {}``, ``specific: {versions: [..]}``.
+    """
+
+    latest: LatestPolicy | None = None
+    all: dict[str, Any] | None = None
+    specific: SpecificPolicy | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> VersionPolicy:
+        chosen = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"set only one of latest, all, specific; got {chosen}")
+        return self
+
+    def select(self, available: list[int]) -> list[int]:
+        """Return the versions to serve out of ``available``, ascending."""
+        ordered = sorted(available)
+        if self.all is not None:
+            return ordered
+        if self.specific is not None:
+            return [v for v in ordered if v in set(self.specific.versions)]
+        n = self.latest.num_versions if self.latest is not None else 1
+        return ordered[-n:]
+
+
+class OptimizationConfig(_Strict):
+    """Execution options (see the GPU execution engine): applied where the backend can."""
+
+    cuda_graphs: bool = False
+    compile: bool = False
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    channels_last: bool = False
+
+
+class ModelConfig(_Strict):
+    """A model's ``config.yaml``.
+
+    Attributes:
+        name: Model name; defaults to the folder name, and must equal it when given.
+        backend: ``python`` (a user class in ``model.py``) or ``torch`` (an ``nn.Module`` in
+            ``model.py`` or a TorchScript ``model.pt``).
+        max_batch_size: Most rows in one batch. 0 disables batching: inputs then carry no
+            batch dimension and each request runs alone.
+        inputs / outputs: Declared tensors, shapes without the batch dimension.
+        dynamic_batching: Batching and queueing policy.
+        instance_group: Copies of the model and their devices.
+        precision: Compute precision; clients keep the declared datatypes.
+        optimization: Graph capture / compile options.
+        version_policy: Which versions are served.
+        parameters: Free-form values handed to the model at load.
+    """
+
+    name: str | None = None
+    backend: Literal["python", "torch"] = "python"
+    max_batch_size: int = Field(default=8, ge=0, le=1_000_000)
+    inputs: list[TensorSpec] = Field(min_length=1)
+    outputs: list[TensorSpec] = Field(min_length=1)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
+    version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        for group, label in ((self.inputs, "inputs"), (self.outputs, "outputs")):
+            names = [t.name for t in group]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"{label} names must be unique; repeated: {dupes}")
+        for size in self.dynamic_batching.preferred_batch_sizes:
+            if self.max_batch_size and size > self.max_batch_size:
+                raise ValueError(
+                    f"preferred_batch_sizes entry {size} exceeds max_batch_size="
+                    f"{self.max_batch_size}"
+                )
+        return self
+
+    def input(self, name: str) -> TensorSpec | None:
+        """The declared input called ``name``, or None."""
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        return None
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid model configuration ({err.error_count()} error(s))"]
+    for item in err.errors():
+        loc = ".".join(str(p) for p in item["loc"]) or "<root>"
+        given = item.get("input")
+        given_text = repr(given)
+        if len(given_text) > 80:
+            given_text = given_text[:77] + "..."
+        msg = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  field '{loc}': {msg} (given: {given_text})")
+    return "\n".join(lines)
+
+
+def parse_model_config(data: Any, path: Path, folder_name: str) -> ModelConfig:
+    """Validate an already-parsed config mapping.
+
+    Raises:
+        ConfigError: the mapping is not a valid :class:`ModelConfig`; the message names the
+            file, every bad field, the value given and what is allowed.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        config = ModelConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(path, err)) from None
+    if config.name is not None and config.name != folder_name:
+        raise ConfigError(
+            f"{path}: field 'name': {config.name!r} must equal the model folder name "
+            f"{folder_name!r} (or be omitted)"
+        )
+    return config.model_copy(update={"name": folder_name})
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Read and validate ``<repository>/<model>/config.yaml``.
+
+    Raises:
+        ConfigError: unreadable file, bad YAML, or invalid fields.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_model_config(data, path, path.parent.name)
+
+
+def default_model_repository() -> Path:
+    """The repository shipped inside the package (``text_embedding`` and ``simple``)."""
+    return Path(__file__).resolve().parent / "default_repository"
+
+
+class ServerConfig(BaseSettings):
+    """Process-wide settings; each field can be set as ``GPUSERVE_<FIELD>`` or a CLI flag.
+
+    Attributes:
+        model_repository: Folder of models; defaults to the embedded repository.
+        host: Address the HTTP server binds.
+        http_port: HTTP port (KServe V2 REST).
+        log_level: ``debug``, ``info``, ``warning`` or ``error``.
+        shutdown_timeout_s: On SIGTERM, how long queued and running requests may finish.
+        max_request_body_bytes: Larger request bodies are refused with 413.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
+
+    model_repository: Path = Field(default_factory=default_model_repository)
+    host: str = "0.0.0.0"
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    max_request_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)

@@ -1,0 +1,74 @@
+"""Messages between the protocol layer and the engine.
+
+The protocol layer builds an :class:`InferenceRequest` from wire bytes after all validation;
+the engine answers with an :class:`InferenceResponse`. Neither knows about HTTP or gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True, eq=False)
+class InferenceRequest:
+    """One validated inference request.
+
+    Attributes:
+        model_name: Target model.
+        model_version: Requested version as a decimal string, or None for the default
+            (highest serving) version.
+        inputs: Input name -> array. When the model batches (``max_batch_size > 0``) every
+            array has the batch dimension first and all agree on it; BYTES inputs are numpy
+            ``object`` arrays of ``bytes``.
+        requested_outputs: Output names to return, or None for every declared output.
+        id: Client's request id, echoed in the response.
+        parameters: Request-level parameters, as received.
+        priority: Priority level (1 = highest); 0 means the model's default level.
+        timeout_us: Queue timeout, microseconds; None means the model's default.
+    """
+
+    model_name: str
+    model_version: str | None
+    inputs: dict[str, np.ndarray]
+    requested_outputs: list[str] | None = None
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    timeout_us: int | None = None
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Where a request's time went, seconds (monotonic clock).
+
+    Attributes:
+        queue_s: From admission to the start of its batch.
+        compute_s: The batch's preprocess + forward + postprocess.
+        total_s: From admission to the response being ready.
+    """
+
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    """The result of one request.
+
+    Attributes:
+        model_name / model_version: The model version that ran it.
+        id: The request's id, if it had one.
+        outputs: Output name -> array, rows of this request only (batch dimension first when
+            the model batches). Only the requested outputs are present.
+        timing: Queue and compute time.
+    """
+
+    model_name: str
+    model_version: str
+    id: str | None
+    outputs: dict[str, np.ndarray]
+    timing: RequestTiming = field(default_factory=RequestTiming)

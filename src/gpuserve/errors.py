@@ -1,0 +1,88 @@
+"""The one error hierarchy of gpuserve.
+
+Every error a client can see derives from :class:`GpuserveError`. The tables that map these
+classes to HTTP status codes and gRPC status codes live in :mod:`gpuserve.server.status` and
+nowhere else. Messages are written for the caller: they name the field, the value received and
+what was expected, and never carry a stack trace.
+"""
+
+from __future__ import annotations
+
+
+class GpuserveError(Exception):
+    """Base class of every error gpuserve reports to a client."""
+
+    #: Short machine-readable reason, used as the ``reason`` label of failure metrics.
+    reason: str = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidInputError(GpuserveError):
+    """The request is malformed or does not match the model's declared inputs (HTTP 400)."""
+
+    reason = "invalid"
+
+
+class ModelNotFoundError(GpuserveError):
+    """The named model, or the named version of it, is not in the repository (HTTP 404)."""
+
+    reason = "not_found"
+
+
+class ModelNotReadyError(GpuserveError):
+    """The model exists but cannot serve now: loading, failed to load, unloading (HTTP 503)."""
+
+    reason = "not_ready"
+
+
+class OverloadedError(GpuserveError):
+    """Admission refused: the model's queue is full (HTTP 429 with ``Retry-After``).
+
+    Attributes:
+        retry_after_s: Suggested client back-off, seconds.
+    """
+
+    reason = "rejected"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(GpuserveError):
+    """The request's deadline passed while it waited in the queue; it was not run (HTTP 503)."""
+
+    reason = "timeout"
+
+
+class CancelledRequestError(GpuserveError):
+    """The client went away before the request ran; it was removed from the queue."""
+
+    reason = "cancelled"
+
+
+class BackendError(GpuserveError):
+    """The model raised, or returned outputs that do not fit the batch (HTTP 500)."""
+
+    reason = "backend_error"
+
+
+class UnavailableError(GpuserveError):
+    """The server is shutting down or otherwise cannot take the request (HTTP 503)."""
+
+    reason = "unavailable"
+
+
+class ConfigError(GpuserveError):
+    """A model configuration or repository layout is invalid.
+
+    The message names the file, the field, the value given and what is allowed.
+    """
+
+    reason = "config"
