@@ -1,0 +1,94 @@
+"""The backend contract: what an execution backend must provide to run batches.
+
+An engine ``Instance`` (one copy of a model on one device) owns one :class:`Backend` object and
+calls it from its own execution thread, never concurrently, in this order::
+
+    load(context)                       once, before any batch
+    warmup()                            once, after load
+    for each batch:
+        prepared = preprocess(inputs)   CPU work (tokenise, stack, pin, convert)
+        raw      = forward(prepared)    device work
+        outputs  = postprocess(raw)     back to numpy on the CPU
+    unload()                            once, at the end
+
+``inputs`` maps each declared input name to a numpy array whose first dimension is the batch
+(the rows of every request in the batch, concatenated in order). ``postprocess`` must return
+every declared output, each with the same number of rows as the inputs; the engine checks this
+and splits the rows back to their requests. A backend knows nothing of queues or protocols.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuserve.config import ModelConfig
+
+_PRECISION_TO_TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(slots=True)
+class LoadContext:
+    """What a backend is told at load.
+
+    Attributes:
+        config: The model's validated configuration.
+        version_path: The version folder (``<repository>/<model>/<version>``).
+        version: The version number.
+        device: Torch device string, ``"cpu"`` or ``"cuda:N"``.
+        instance_index: Index of this instance among the model's instances.
+        parameters: ``config.parameters``, for convenience.
+    """
+
+    config: ModelConfig
+    version_path: Path
+    version: int
+    device: str = "cpu"
+    instance_index: int = 0
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def precision(self) -> str:
+        """``fp32``, ``fp16`` or ``bf16`` (from config)."""
+        return self.config.precision
+
+    @property
+    def torch_dtype(self) -> Any:
+        """The ``torch.dtype`` for the configured precision."""
+        import torch
+
+        return getattr(torch, _PRECISION_TO_TORCH[self.config.precision])
+
+
+class Backend(abc.ABC):
+    """One loaded copy of a model, driven by one engine instance thread."""
+
+    @abc.abstractmethod
+    def load(self, context: LoadContext) -> None:
+        """Load weights onto ``context.device``.
+
+        Raises:
+            Exception: any failure; the version is then reported as failed to load.
+        """
+
+    def warmup(self) -> None:  # noqa: B027 - optional hook
+        """Run once after load so the first request pays no lazy-initialisation cost."""
+
+    @abc.abstractmethod
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
+        """CPU stage: turn batched numpy inputs into whatever ``forward`` takes."""
+
+    @abc.abstractmethod
+    def forward(self, prepared: Any) -> Any:
+        """Device stage: run the model on one prepared batch."""
+
+    @abc.abstractmethod
+    def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
+        """CPU stage: return output name -> numpy array, batch dimension first."""
+
+    def unload(self) -> None:  # noqa: B027 - optional hook
+        """Release weights and device memory."""
