@@ -1,0 +1,255 @@
+"""The dynamic batcher: a pure state machine that decides which requests run together.
+
+It owns the queue of one model version and nothing else: no threads, no timers, no clock of its
+own. The scheduler drives it::
+
+    batcher.add(item)                 # admission (may raise OverloadedError)
+    batch = batcher.next_batch(now)   # when an instance is free: a Batch or None
+    expired = batcher.expire(now)     # items whose queue deadline passed
+    t = batcher.next_wakeup(...)      # when to call again if nothing else happens
+
+Batch formation (the rules of Triton's dynamic batcher, with shape grouping added):
+
+* Only requests with the same *shape key* (the non-batch dimensions of every input) share a
+  batch, so requests of different sequence lengths are never stacked into one wrong tensor.
+  The oldest request of the highest priority level leads; compatible requests join in priority
+  then arrival order while their rows fit in ``max_batch_size``.
+* A batch is sent at once when it is full, when it reaches a preferred batch size, or when
+  ``max_queue_delay_s`` is 0; otherwise once the leading request has waited
+  ``max_queue_delay_s``.
+* Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuserve.engine.request import InferenceRequest
+from gpuserve.errors import OverloadedError
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    """A request waiting in (or taken from) the queue.
+
+    Attributes:
+        request: The validated request.
+        rows: Its batch-dimension size (1 for models without batching).
+        shape_key: Hashable description of its non-batch input shapes; only equal keys batch.
+        arrival_s: Admission time, seconds.
+        deadline_s: Queue deadline, seconds, or None.
+        priority: Level, 1 = served first.
+        token: Opaque handle for the driver (e.g. the future to resolve); unused here.
+        queued: True while in the queue.
+    """
+
+    request: InferenceRequest
+    rows: int
+    shape_key: Hashable
+    arrival_s: float
+    deadline_s: float | None = None
+    priority: int = 1
+    token: Any = None
+    queued: bool = False
+
+
+@dataclass(slots=True)
+class Batch:
+    """Requests that run together, in order; ``rows`` is the sum of their rows."""
+
+    items: list[Pending]
+    rows: int
+    formed_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DynamicBatcher:
+    """Queue and batch-formation policy of one model version.
+
+    Args:
+        max_batch_size: Most rows per batch; 0 means the model does not batch (one request per
+            batch, whatever its size).
+        max_queue_delay_s: Longest the leading request waits for company, seconds.
+        preferred_batch_sizes: Row counts that are sent without waiting.
+        max_queue_size: Most queued requests; ``add`` raises OverloadedError beyond it.
+        priority_levels: Number of levels; level 1 is served first.
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_queue_delay_s: float = 0.0,
+        preferred_batch_sizes: list[int] | None = None,
+        max_queue_size: int = 1024,
+        priority_levels: int = 1,
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.preferred = sorted(set(preferred_batch_sizes or []))
+        self.max_queue_size = max_queue_size
+        self._levels: list[deque[Pending]] = [deque() for _ in range(priority_levels)]
+        self._size = 0
+        self._rows = 0
+        self._deadlines: list[tuple[float, int, Pending]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        """Number of queued requests."""
+        return self._size
+
+    @property
+    def queued_rows(self) -> int:
+        """Sum of the rows of the queued requests."""
+        return self._rows
+
+    def add(self, item: Pending) -> None:
+        """Queue ``item``.
+
+        Raises:
+            OverloadedError: the queue already holds ``max_queue_size`` requests.
+            ValueError: the item's rows exceed ``max_batch_size`` or its priority is unknown
+                (the protocol layer refuses such requests before they get here).
+        """
+        if self._size >= self.max_queue_size:
+            raise OverloadedError(
+                f"queue of model '{item.request.model_name}' is full "
+                f"({self.max_queue_size} requests waiting); retry later"
+            )
+        if self.max_batch_size and item.rows > self.max_batch_size:
+            raise ValueError(f"request of {item.rows} rows exceeds max_batch_size")
+        if not 1 <= item.priority <= len(self._levels):
+            raise ValueError(f"priority {item.priority} not in 1..{len(self._levels)}")
+        self._levels[item.priority - 1].append(item)
+        item.queued = True
+        self._size += 1
+        self._rows += item.rows
+        if item.deadline_s is not None:
+            heapq.heappush(self._deadlines, (item.deadline_s, next(self._seq), item))
+
+    def remove(self, item: Pending) -> bool:
+        """Take ``item`` out of the queue (client cancelled). Returns False if not queued."""
+        if not item.queued:
+            return False
+        self._levels[item.priority - 1].remove(item)
+        self._forget(item)
+        return True
+
+    def _forget(self, item: Pending) -> None:
+        item.queued = False
+        self._size -= 1
+        self._rows -= item.rows
+
+    def _head(self) -> Pending | None:
+        for level in self._levels:
+            if level:
+                return level[0]
+        return None
+
+    def expire(self, now: float) -> list[Pending]:
+        """Remove and return queued items whose deadline is at or before ``now``."""
+        expired: list[Pending] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, item = heapq.heappop(heap)
+            if item.queued:
+                self._levels[item.priority - 1].remove(item)
+                self._forget(item)
+                expired.append(item)
+        return expired
+
+    def _target_rows(self, available: int) -> int:
+        """Rows to aim for given ``available`` compatible rows."""
+        if not self.max_batch_size:
+            return 1
+        if available >= self.max_batch_size:
+            return self.max_batch_size
+        for size in reversed(self.preferred):
+            if size <= available:
+                return size
+        return available
+
+    def _compatible_rows(self, key: Hashable, limit: int) -> int:
+        total = 0
+        for level in self._levels:
+            for item in level:
+                if item.shape_key == key:
+                    total += item.rows
+                    if total >= limit:
+                        return total
+        return total
+
+    def next_batch(self, now: float) -> Batch | None:
+        """Form the next batch if one is due at ``now``; None means wait.
+
+        Call when an instance can take work. A due batch is removed from the queue.
+        """
+        head = self._head()
+        if head is None:
+            return None
+        if not self.max_batch_size:
+            self._levels[head.priority - 1].popleft()
+            self._forget(head)
+            return Batch([head], head.rows, now)
+        limit = self.max_batch_size
+        available = self._compatible_rows(head.shape_key, limit)
+        waited_out = now - head.arrival_s >= self.max_queue_delay_s
+        full = available >= limit
+        preferred_hit = bool(self.preferred) and available >= self.preferred[0]
+        if not (waited_out or full or preferred_hit):
+            return None
+        target = self._target_rows(available) if not waited_out else min(available, limit)
+        target = max(target, head.rows)
+        return self._take(head.shape_key, target, now)
+
+    def _take(self, key: Hashable, target: int, now: float) -> Batch:
+        items: list[Pending] = []
+        rows = 0
+        for index, level in enumerate(self._levels):
+            if rows >= target or not level:
+                continue
+            keep: deque[Pending] = deque()
+            for item in level:
+                if rows < target and item.shape_key == key and rows + item.rows <= target:
+                    items.append(item)
+                    rows += item.rows
+                    self._forget(item)
+                else:
+                    keep.append(item)
+            self._levels[index] = keep
+        return Batch(items, rows, now)
+
+    def next_wakeup(self, can_dispatch: bool) -> float | None:
+        """The earliest time at which ``next_batch`` or ``expire`` could change its answer
+        without a new arrival, or None.
+
+        Args:
+            can_dispatch: Whether an instance is free; if not, only deadlines matter.
+        """
+        times: list[float] = []
+        heap = self._deadlines
+        while heap and not heap[0][2].queued:
+            heapq.heappop(heap)
+        if heap:
+            times.append(heap[0][0])
+        if can_dispatch:
+            head = self._head()
+            if head is not None:
+                times.append(head.arrival_s + self.max_queue_delay_s)
+        return min(times) if times else None
+
+    def drain(self) -> list[Pending]:
+        """Remove and return every queued item (shutdown/unload)."""
+        items: list[Pending] = []
+        for level in self._levels:
+            items.extend(level)
+            level.clear()
+        for item in items:
+            item.queued = False
+        self._size = self._rows = 0
+        self._deadlines.clear()
+        return items

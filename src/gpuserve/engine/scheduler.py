@@ -1,0 +1,264 @@
+"""The scheduler: one per loaded model version; the single loop that drives its batcher.
+
+It runs on the server's asyncio event loop. ``infer`` admits a request into the
+:class:`~gpuserve.engine.batcher.DynamicBatcher` and awaits its result; whenever something
+changes (an arrival, a finished batch, a timer) ``_pump`` asks the batcher for due batches
+while an instance is free and hands them to the least-busy instance. One timer at most is
+armed, at the batcher's next wake-up time, so an idle server uses no CPU (no polling).
+
+Instances report on their own threads; results hop onto the loop with
+``call_soon_threadsafe``, so the batcher, the futures and the statistics are only ever touched
+from the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuserve.config import ModelConfig
+from gpuserve.engine.batcher import Batch, DynamicBatcher, Pending
+from gpuserve.engine.instance import BatchResult, Instance
+from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
+from gpuserve.engine.stats import BatchStats, ModelStats, RequestStats
+from gpuserve.errors import (
+    CancelledRequestError,
+    GpuserveError,
+    InvalidInputError,
+    OverloadedError,
+    RequestTimeoutError,
+    UnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ModelScheduler:
+    """Queue, batch and dispatch the requests of one model version.
+
+    Args:
+        config: The model's configuration.
+        version: Version number as a string.
+        clock: Monotonic clock, seconds (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        version: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.name = config.name or ""
+        self.version = version
+        self.clock = clock
+        db = config.dynamic_batching
+        self.batcher = DynamicBatcher(
+            max_batch_size=config.max_batch_size,
+            max_queue_delay_s=db.max_queue_delay_us / 1e6,
+            preferred_batch_sizes=db.preferred_batch_sizes,
+            max_queue_size=db.max_queue_size,
+            priority_levels=db.priority_levels,
+        )
+        self.stats = ModelStats(self.name, version)
+        self.instances: list[Instance] = []
+        self.in_flight_requests = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def attach(self, instances: list[Instance], loop: asyncio.AbstractEventLoop) -> None:
+        """Give the scheduler its (started) instances and the loop it runs on."""
+        self.instances = instances
+        self._loop = loop
+
+    def on_batch_done(self, result: BatchResult) -> None:
+        """Instance-thread callback: move the result onto the loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._complete, result)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def shape_key(self, request: InferenceRequest) -> tuple[Any, ...]:
+        """Non-batch shapes of the inputs: only requests with equal keys share a batch."""
+        return tuple((name, arr.shape[1:]) for name, arr in request.inputs.items())
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Queue ``request``, wait for its batch to run, and return its own rows.
+
+        Raises:
+            OverloadedError: the queue is full (nothing was queued).
+            RequestTimeoutError: the queue timeout passed before the request ran.
+            BackendError: the model failed on this request.
+            UnavailableError: the version is shutting down.
+        """
+        if self._closing or self._loop is None:
+            raise UnavailableError(f"model '{self.name}' version {self.version} is unloading")
+        db = self.config.dynamic_batching
+        priority = request.priority or db.default_priority_level
+        if priority > db.priority_levels:
+            raise InvalidInputError(
+                f"parameter 'priority': {priority} is not a level of model '{self.name}' "
+                f"(1..{db.priority_levels}, 1 = highest)"
+            )
+        timeout_us = request.timeout_us if request.timeout_us else db.default_timeout_us
+        now = self.clock()
+        rows = next(iter(request.inputs.values())).shape[0] if self.config.max_batch_size else 1
+        future: asyncio.Future[InferenceResponse] = self._loop.create_future()
+        item = Pending(
+            request=request,
+            rows=rows,
+            shape_key=self.shape_key(request),
+            arrival_s=now,
+            deadline_s=now + timeout_us / 1e6 if timeout_us else None,
+            priority=priority,
+            token=future,
+        )
+        try:
+            self.batcher.add(item)
+        except OverloadedError as err:
+            self.stats.record_request(
+                RequestStats(self.name, self.version, rows, 0.0, 0.0, 0.0, err.reason)
+            )
+            raise
+        self.in_flight_requests += 1
+        self._idle.clear()
+        self._pump()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self.batcher.remove(item):
+                self._finish_failed(item, CancelledRequestError("client cancelled"), now)
+            raise
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _free_instance(self) -> Instance | None:
+        best: Instance | None = None
+        for instance in self.instances:
+            if instance.in_flight == 0 and (best is None):
+                best = instance
+        return best
+
+    def _pump(self) -> None:
+        now = self.clock()
+        for item in self.batcher.expire(now):
+            waited_ms = (now - item.arrival_s) * 1000
+            self._finish_failed(
+                item,
+                RequestTimeoutError(
+                    f"request timed out in the queue of model '{self.name}' after "
+                    f"{waited_ms:.0f} ms without running"
+                ),
+                now,
+            )
+        while len(self.batcher):
+            instance = self._free_instance()
+            if instance is None:
+                break
+            batch = self.batcher.next_batch(now)
+            if batch is None:
+                break
+            instance.in_flight += 1
+            batch.extra["instance"] = instance
+            instance.submit(batch)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        wake = self.batcher.next_wakeup(self._free_instance() is not None)
+        if wake is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = self._timer_at = None
+            return
+        if self._timer is not None and self._timer_at is not None and self._timer_at <= wake:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        assert self._loop is not None
+        delay = max(0.0, wake - self.clock())
+        self._timer_at = wake
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._pump()
+
+    # -- completion ------------------------------------------------------------------------
+
+    def _complete(self, result: BatchResult) -> None:
+        batch: Batch = result.batch
+        instance: Instance = batch.extra["instance"]
+        instance.in_flight -= 1
+        ok = all(not isinstance(r, GpuserveError) for r in result.results)
+        self.stats.record_batch(
+            BatchStats(
+                self.name, self.version, batch.rows, len(batch.items),
+                result.preprocess_s, result.forward_s, result.postprocess_s, ok,
+            )
+        )
+        self.stats.execution_count += result.executions - 1
+        compute_s = result.finished_s - result.started_s
+        end = self.clock()
+        for item, outcome in zip(batch.items, result.results, strict=True):
+            future: asyncio.Future[InferenceResponse] = item.token
+            queue_s = result.started_s - item.arrival_s
+            total_s = end - item.arrival_s
+            if isinstance(outcome, GpuserveError):
+                self._record(item, queue_s, compute_s, total_s, outcome.reason)
+                if not future.done():
+                    future.set_exception(outcome)
+                continue
+            self._record(item, queue_s, compute_s, total_s, None)
+            if not future.done():
+                future.set_result(
+                    InferenceResponse(
+                        self.name, self.version, item.request.id, outcome,
+                        RequestTiming(queue_s, compute_s, total_s),
+                    )
+                )
+        self._pump()
+
+    def _finish_failed(self, item: Pending, error: GpuserveError, now: float) -> None:
+        total = self.clock() - item.arrival_s
+        self._record(item, total, 0.0, total, error.reason)
+        future: asyncio.Future[InferenceResponse] = item.token
+        if not future.done():
+            future.set_exception(error)
+
+    def _record(
+        self, item: Pending, queue_s: float, compute_s: float, total_s: float, reason: str | None
+    ) -> None:
+        self.in_flight_requests -= 1
+        if self.in_flight_requests == 0:
+            self._idle.set()
+        self.stats.record_request(
+            RequestStats(self.name, self.version, item.rows, queue_s, compute_s, total_s, reason)
+        )
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def close(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, let queued and running ones finish (up to the timeout), then
+        fail what is left with 503 and stop the instances."""
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+        except TimeoutError:
+            now = self.clock()
+            for item in self.batcher.drain():
+                self._finish_failed(
+                    item, UnavailableError(f"model '{self.name}' unloaded before it ran"), now
+                )
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        for instance in self.instances:
+            await loop.run_in_executor(None, instance.stop)

@@ -1,0 +1,143 @@
+"""Statistics the engine records, on one monotonic clock, for the statistics API and metrics.
+
+The engine fills :class:`ModelStats` from the event loop thread only, so no locks are needed.
+Listeners (the metrics layer) receive :class:`BatchStats` and :class:`RequestStats` events and
+turn them into Prometheus series; the engine itself never imports prometheus_client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Duration:
+    """A count and a cumulative duration in nanoseconds (Triton's ``StatisticDuration``)."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass(slots=True)
+class BatchStats:
+    """One executed batch. Times in seconds."""
+
+    model: str
+    version: str
+    batch_size: int
+    requests: int
+    preprocess_s: float
+    forward_s: float
+    postprocess_s: float
+    ok: bool
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """One finished request. ``reason`` is None on success, else the error's reason."""
+
+    model: str
+    version: str
+    rows: int
+    queue_s: float
+    compute_s: float
+    total_s: float
+    reason: str | None
+
+
+@dataclass(slots=True)
+class _BatchSizeStats:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+StatsListener = Callable[[BatchStats | RequestStats], None]
+
+
+@dataclass
+class ModelStats:
+    """Cumulative statistics of one model version, shaped like Triton's statistics extension.
+
+    ``inference_count`` counts rows that succeeded; ``execution_count`` counts batches run.
+    ``fail_reasons`` counts failures by reason (invalid, rejected, timeout, backend_error...).
+    """
+
+    name: str
+    version: str
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    fail_reasons: Counter[str] = field(default_factory=Counter)
+    batch_sizes: dict[int, _BatchSizeStats] = field(default_factory=dict)
+    listeners: list[StatsListener] = field(default_factory=list)
+
+    def record_batch(self, event: BatchStats) -> None:
+        self.execution_count += 1
+        self.compute_input.add(event.preprocess_s)
+        self.compute_infer.add(event.forward_s)
+        self.compute_output.add(event.postprocess_s)
+        per_size = self.batch_sizes.get(event.batch_size)
+        if per_size is None:
+            per_size = self.batch_sizes[event.batch_size] = _BatchSizeStats()
+        per_size.compute_input.add(event.preprocess_s)
+        per_size.compute_infer.add(event.forward_s)
+        per_size.compute_output.add(event.postprocess_s)
+        for listener in self.listeners:
+            listener(event)
+
+    def record_request(self, event: RequestStats) -> None:
+        if event.reason is None:
+            self.inference_count += event.rows
+            self.success.add(event.total_s)
+            self.queue.add(event.queue_s)
+            self.last_inference_ms = int(time.time() * 1000)
+        else:
+            self.fail.add(event.total_s)
+            self.fail_reasons[event.reason] += 1
+        for listener in self.listeners:
+            listener(event)
+
+    def as_dict(self) -> dict[str, object]:
+        """The V2 statistics-extension JSON object for this version."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.as_dict(),
+                "fail": self.fail.as_dict(),
+                "queue": self.queue.as_dict(),
+                "compute_input": self.compute_input.as_dict(),
+                "compute_infer": self.compute_infer.as_dict(),
+                "compute_output": self.compute_output.as_dict(),
+            },
+            "failure_reasons": dict(self.fail_reasons),
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": s.compute_input.as_dict(),
+                    "compute_infer": s.compute_infer.as_dict(),
+                    "compute_output": s.compute_output.as_dict(),
+                }
+                for size, s in sorted(self.batch_sizes.items())
+            ],
+        }

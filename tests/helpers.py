@@ -1,0 +1,116 @@
+"""RunningServer: the real gpuserve server on a free port, for integration and e2e tests.
+
+Two flavours with one interface (``url``, ``port``, ``stop()``):
+
+* :class:`InProcessServer` runs :class:`gpuserve.server.runner.GpuServer` on a thread of the
+  test process (fast; lets a test inspect fixture models' module state).
+* :class:`SubprocessServer` runs the real ``gpuserve serve`` CLI as a child process, prints its
+  output on failure, and stops it with SIGTERM.
+
+Both poll ``/v2/health/ready`` with a deadline before handing the server to the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, deadline_s: float, alive=lambda: True) -> None:
+    end = time.monotonic() + deadline_s
+    last = ""
+    while time.monotonic() < end:
+        if not alive():
+            raise RuntimeError("server exited before it became ready")
+        try:
+            response = httpx.get(f"{url}/v2/health/ready", timeout=2.0)
+            if response.status_code == 200:
+                return
+            last = f"{response.status_code} {response.text}"
+        except httpx.HTTPError as err:
+            last = repr(err)
+        time.sleep(0.05)
+    raise TimeoutError(f"server at {url} not ready after {deadline_s} s (last: {last})")
+
+
+class InProcessServer:
+    """GpuServer on a background thread with its own event loop."""
+
+    def __init__(self, repository: Path, ready_timeout_s: float = 120.0, **settings) -> None:
+        from gpuserve.config import ServerConfig
+        from gpuserve.server.runner import GpuServer
+
+        config = ServerConfig(model_repository=repository, host="127.0.0.1", http_port=0,
+                              log_level="warning", **settings)
+        self.server = GpuServer(config)
+        self.thread = threading.Thread(target=self.server.run, name="gpuserve-test", daemon=True)
+        self.thread.start()
+        end = time.monotonic() + ready_timeout_s
+        while not self.server.uvicorn.started:
+            if not self.thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError("in-process server failed to start")
+            time.sleep(0.01)
+        self.port = self.server.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        if not self.server.loaded.wait(ready_timeout_s):
+            raise TimeoutError("models did not finish loading")
+
+    @property
+    def manager(self):
+        return self.server.manager
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(60)
+
+
+class SubprocessServer:
+    """``python -m gpuserve serve`` as a child process."""
+
+    def __init__(self, *args: str, ready_timeout_s: float = 180.0, env: dict | None = None,
+                 wait: bool = True) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuserve", "serve", "--host", "127.0.0.1",
+             "--http-port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+        )
+        if wait:
+            try:
+                wait_ready(self.url, ready_timeout_s, alive=lambda: self.proc.poll() is None)
+            except Exception:
+                self.stop()
+                print(self.output(), file=sys.stderr)
+                raise
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,133 @@
+"""The dynamic batcher as a pure state machine, on a fake clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpuserve.engine.batcher import DynamicBatcher, Pending
+from gpuserve.engine.request import InferenceRequest
+from gpuserve.errors import OverloadedError
+
+
+def item(rows: int = 1, at: float = 0.0, key: object = (16,), priority: int = 1,
+         deadline: float | None = None, tag: str = "") -> Pending:
+    request = InferenceRequest("m", None, {"x": np.zeros((rows, 16), np.float32)}, id=tag)
+    return Pending(request, rows, key, at, deadline, priority)
+
+
+def tags(batch) -> list[str]:
+    return [p.request.id for p in batch.items]
+
+
+def test_zero_delay_sends_whatever_is_queued_at_once():
+    b = DynamicBatcher(max_batch_size=8)
+    b.add(item(tag="a"))
+    b.add(item(tag="b"))
+    batch = b.next_batch(now=0.0)
+    assert batch is not None and tags(batch) == ["a", "b"] and batch.rows == 2
+    assert len(b) == 0 and b.next_batch(0.0) is None
+
+
+def test_delay_waits_for_the_leading_request_then_sends():
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.010)
+    b.add(item(at=0.0, tag="a"))
+    assert b.next_batch(now=0.005) is None
+    assert b.next_wakeup(can_dispatch=True) == pytest.approx(0.010)
+    b.add(item(at=0.006, tag="b"))
+    batch = b.next_batch(now=0.010)
+    assert tags(batch) == ["a", "b"]
+
+
+def test_full_batch_goes_without_waiting_and_respects_max_rows():
+    b = DynamicBatcher(max_batch_size=4, max_queue_delay_s=10.0)
+    for i, rows in enumerate([1, 3, 2, 1]):
+        b.add(item(rows=rows, tag=str(i)))
+    batch = b.next_batch(now=0.0)
+    assert batch.rows == 4 and tags(batch) == ["0", "1"]
+    # 2 + 1 = 3 rows left, not full: waits for the delay
+    assert b.next_batch(now=1.0) is None
+    batch = b.next_batch(now=10.0)
+    assert tags(batch) == ["2", "3"] and batch.rows == 3
+
+
+def test_requests_that_do_not_fit_are_skipped_not_split():
+    b = DynamicBatcher(max_batch_size=4)
+    b.add(item(rows=3, tag="a"))
+    b.add(item(rows=3, tag="b"))
+    b.add(item(rows=1, tag="c"))
+    assert tags(b.next_batch(0.0)) == ["a", "c"]
+    assert tags(b.next_batch(0.0)) == ["b"]
+
+
+def test_preferred_batch_size_sends_before_the_delay():
+    b = DynamicBatcher(max_batch_size=16, max_queue_delay_s=10.0, preferred_batch_sizes=[4, 8])
+    for i in range(3):
+        b.add(item(tag=str(i)))
+    assert b.next_batch(0.0) is None
+    for i in range(3, 6):
+        b.add(item(tag=str(i)))
+    batch = b.next_batch(0.0)
+    assert batch.rows == 4 and tags(batch) == ["0", "1", "2", "3"]
+
+
+def test_different_shapes_are_never_stacked_together():
+    b = DynamicBatcher(max_batch_size=8)
+    b.add(item(key=(10,), tag="short1"))
+    b.add(item(key=(20,), tag="long"))
+    b.add(item(key=(10,), tag="short2"))
+    assert tags(b.next_batch(0.0)) == ["short1", "short2"]
+    assert tags(b.next_batch(0.0)) == ["long"]
+
+
+def test_priority_level_one_is_served_first():
+    b = DynamicBatcher(max_batch_size=1, priority_levels=2)
+    b.add(item(priority=2, tag="low"))
+    b.add(item(priority=1, at=1.0, tag="high"))
+    assert tags(b.next_batch(2.0)) == ["high"]
+    assert tags(b.next_batch(2.0)) == ["low"]
+
+
+def test_full_queue_refuses_at_once():
+    b = DynamicBatcher(max_batch_size=8, max_queue_size=2)
+    b.add(item())
+    b.add(item())
+    with pytest.raises(OverloadedError, match="full"):
+        b.add(item())
+    assert len(b) == 2
+
+
+def test_expired_requests_leave_the_queue_and_are_never_batched():
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=1.0)
+    b.add(item(tag="a", deadline=0.3))
+    b.add(item(tag="b"))
+    assert b.next_wakeup(can_dispatch=False) == pytest.approx(0.3)
+    assert [p.request.id for p in b.expire(0.5)] == ["a"]
+    assert tags(b.next_batch(1.0)) == ["b"]
+
+
+def test_removed_request_is_not_batched_and_its_deadline_is_forgotten():
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=1.0)
+    a = item(tag="a", deadline=0.2)
+    b.add(a)
+    b.add(item(tag="b"))
+    assert b.remove(a) and not b.remove(a)
+    assert b.next_wakeup(can_dispatch=False) is None
+    assert b.expire(5.0) == []
+    assert tags(b.next_batch(1.0)) == ["b"]
+
+
+def test_model_without_batching_runs_one_request_per_batch():
+    b = DynamicBatcher(max_batch_size=0, max_queue_delay_s=1.0)
+    b.add(item(rows=1, tag="a"))
+    b.add(item(rows=1, tag="b"))
+    assert tags(b.next_batch(0.0)) == ["a"]
+    assert tags(b.next_batch(0.0)) == ["b"]
+
+
+def test_counts_rows_and_drains():
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=1.0)
+    b.add(item(rows=3))
+    b.add(item(rows=2))
+    assert b.queued_rows == 5 and len(b) == 2
+    assert len(b.drain()) == 2 and len(b) == 0 and b.queued_rows == 0
