@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuserve.errors import ConfigError
-from gpuserve.protocol.datatypes import Datatype
+from gpuserve.datatypes import Datatype
 
 CONFIG_FILENAME = "config.yaml"
 

@@ -64,6 +64,21 @@ class LoadContext:
         return getattr(torch, _PRECISION_TO_TORCH[self.config.precision])
 
 
+class RowErrors(dict):  # type: ignore[type-arg]
+    """Outputs of a batch in which some rows failed while the rest succeeded.
+
+    A model returns it from ``postprocess`` (or ``forward`` with the default postprocess) in
+    place of a plain output dict: the mapping holds the outputs, ``errors`` maps a row index of
+    the batch to the error of that row (a message, or a gpuserve error such as
+    ``InvalidInputError`` to choose the status). Each request that owns a failed row gets that
+    error; every other request of the batch gets its outputs as usual.
+    """
+
+    def __init__(self, outputs: dict[str, Any], errors: dict[int, Any]) -> None:
+        super().__init__(outputs)
+        self.errors = dict(errors)
+
+
 class Backend(abc.ABC):
     """One loaded copy of a model, driven by one engine instance thread."""
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import Backend, LoadContext
+from gpuserve.backends.base import Backend, LoadContext, RowErrors
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.errors import ConfigError
 
@@ -74,6 +74,8 @@ def to_numpy_dict(outputs: Any) -> dict[str, np.ndarray]:
             result[name] = value.detach().cpu().numpy()
         else:
             result[name] = np.asarray(value)
+    if isinstance(outputs, RowErrors):
+        return RowErrors(result, outputs.errors)
     return result
 
 

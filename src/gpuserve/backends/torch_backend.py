@@ -26,7 +26,7 @@ import torch
 from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.errors import ConfigError
-from gpuserve.protocol.datatypes import numpy_dtype
+from gpuserve.datatypes import numpy_dtype
 
 
 class TorchBackend(Backend):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpuserve.backends.base import Backend, LoadContext
+from gpuserve.backends.base import Backend, LoadContext, RowErrors
 from gpuserve.config import ModelConfig
 from gpuserve.engine.batcher import Batch
 from gpuserve.engine.request import InferenceRequest
@@ -214,17 +214,29 @@ class Instance:
 
     def _split(self, requests: list[InferenceRequest], outputs: Outputs) -> list[Outputs | GpuserveError]:
         results: list[Outputs | GpuserveError] = []
+        row_errors = outputs.errors if isinstance(outputs, RowErrors) else None
         offset = 0
         for request in requests:
             names = request.requested_outputs or self._output_names
-            if len(requests) == 1:
-                results.append({name: outputs[name] for name in names})
-                continue
             rows = _rows(request, self._batched)
             end = offset + rows
-            results.append({name: outputs[name][offset:end] for name in names})
+            if row_errors:
+                failed = [row for row in range(offset, end) if row in row_errors]
+                if failed:
+                    results.append(self._row_error(failed[0] - offset, row_errors[failed[0]]))
+                    offset = end
+                    continue
+            if len(requests) == 1:
+                results.append({name: outputs[name] for name in names})
+            else:
+                results.append({name: outputs[name][offset:end] for name in names})
             offset = end
         return results
+
+    def _row_error(self, row: int, error: object) -> GpuserveError:
+        if isinstance(error, GpuserveError):
+            return error
+        return BackendError(f"model '{self.config.name}' failed on row {row} of the request: {error}")
 
 
 def _rows(request: InferenceRequest, batched: bool) -> int:

@@ -175,7 +175,7 @@ class BertLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, device=device)
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [B, L, H]; attn_bias: additive, [B, 1, 1, L] in x's dtype, or None. Returns [B, L, H]."""
+        """x: [B, L, H]; attn_bias: additive [B, 1, 1, L] in x's dtype, or None -> [B, L, H]."""
         batch, seq_len, hidden = x.shape
         # [B, L, 3H] -> [3, B, heads, L, head_size]; q, k, v are strided views of one buffer.
         qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_size)
@@ -288,7 +288,9 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
-def convert_state_dict(state: dict[str, torch.Tensor], config: BertConfig) -> dict[str, torch.Tensor]:
+def convert_state_dict(
+    state: dict[str, torch.Tensor], config: BertConfig
+) -> dict[str, torch.Tensor]:
     """Map Hugging Face BERT checkpoint keys to :class:`BertEncoder` keys.
 
     Query, key and value weights are concatenated into ``layers.N.qkv``. Pooler weights and
@@ -410,4 +412,3 @@ def load_bert(
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
-

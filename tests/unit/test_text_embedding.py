@@ -1,0 +1,207 @@
+"""The default repository's ``text_embedding`` model and gpuserve.models.sentence_embedding.
+
+The Model class is driven through its hooks exactly as the python backend calls them
+(load -> warmup -> preprocess -> forward -> postprocess), with a real LoadContext.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gpuserve.backends.base import LoadContext
+from gpuserve.backends.loader import import_module_from_path
+from gpuserve.config import ModelConfig, default_model_repository, load_model_config
+from gpuserve.models.sentence_embedding import (
+    SentenceEmbedder,
+    decode_texts,
+    default_model_dir,
+    load_tokenizer,
+)
+
+MODEL_DIR = default_model_repository() / "text_embedding"
+
+SENTENCES = [
+    "Hello world.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps on a warm windowsill.",
+    "GPU",
+    "Ünïcödé text with émojis 🚀 and 中文字符, to exercise the tokenizer's odd paths.",
+]
+
+
+def text_tensor(texts: list[str]) -> np.ndarray:
+    """BYTES [B, 1] as the protocol layer hands it over: an object array of bytes."""
+    array = np.empty((len(texts), 1), dtype=object)
+    for i, text in enumerate(texts):
+        array[i, 0] = text.encode("utf-8")
+    return array
+
+
+def make_model(config: ModelConfig | None = None, **overrides: Any) -> Any:
+    config = config or load_model_config(MODEL_DIR / "config.yaml")
+    if overrides:
+        params = {**config.parameters, **overrides}
+        config = config.model_copy(update={"parameters": params})
+    module = import_module_from_path(MODEL_DIR / "1" / "model.py", "text_embedding", 1)
+    model = module.Model()
+    context = LoadContext(
+        config=config,
+        version_path=MODEL_DIR / "1",
+        version=1,
+        device="cpu",
+        parameters=dict(config.parameters),
+    )
+    model.context = context
+    model.load(context)
+    return model
+
+
+def run_hooks(model: Any, texts: list[str]) -> np.ndarray:
+    prepared = model.preprocess({"TEXT": text_tensor(texts)})
+    outputs = model.postprocess(model.forward(prepared))
+    assert set(outputs) == {"EMBEDDING"}
+    return outputs["EMBEDDING"]
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    m = make_model()
+    m.warmup()
+    return m
+
+
+# --- decode_texts ---------------------------------------------------------------------------
+
+
+def test_decode_texts_rows_of_bytes_and_str() -> None:
+    array = text_tensor(["a", "bé"])
+    assert decode_texts(array) == ["a", "bé"]
+    assert decode_texts(array.reshape(-1)) == ["a", "bé"]
+    assert decode_texts(np.array(["x", "y"], dtype=object)) == ["x", "y"]
+
+
+def test_decode_texts_replaces_invalid_utf8() -> None:
+    array = np.array([[b"ok \xff\xfe end"]], dtype=object)
+    assert decode_texts(array) == ["ok \ufffd\ufffd end"]
+
+
+def test_decode_texts_rejects_several_strings_per_row_and_non_text() -> None:
+    with pytest.raises(ValueError, match=r"one string per row, got shape \[2, 2\]"):
+        decode_texts(np.array([[b"a", b"b"], [b"c", b"d"]], dtype=object))
+    with pytest.raises(TypeError, match="int"):
+        decode_texts(np.array([[1]], dtype=object))
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def test_tokenizer_pads_to_longest_and_truncates() -> None:
+    tokenizer = load_tokenizer(default_model_dir(), max_seq_len=8)
+    short, long = tokenizer.encode_batch(["hi", "one two three four five six seven eight nine"])
+    assert len(short.ids) == len(long.ids) == 8  # truncated to 8, "hi" padded up to it
+    assert short.ids[:3] == [101, 7632, 102] and short.ids[3:] == [0] * 5
+    assert short.attention_mask == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert long.ids[0] == 101 and long.ids[-1] == 102  # [CLS] ... [SEP] kept
+    # The file's own fixed padding to 128 is gone: a lone short text is not padded.
+    assert len(tokenizer.encode_batch(["hi"])[0].ids) == 3
+
+
+def test_embedder_tokenize_tensors_and_padded_flag() -> None:
+    embedder = SentenceEmbedder.load()
+    assert embedder.max_seq_len == 256  # sentence_bert_config.json
+    batch = embedder.tokenize(["hi", "hello there world"])
+    assert batch.input_ids.dtype == batch.attention_mask.dtype == torch.int64
+    assert batch.input_ids.shape == batch.attention_mask.shape == (2, 5)
+    assert batch.padded
+    assert not embedder.tokenize(["hi", "yo"]).padded
+    long = embedder.tokenize(["word " * 1000])
+    assert long.input_ids.shape == (1, 256)
+
+
+def test_embedder_rejects_bad_max_seq_len() -> None:
+    with pytest.raises(ValueError, match=r"max_seq_len=1000 must be in \[2, 512\]"):
+        SentenceEmbedder.load(max_seq_len=1000)
+
+
+def test_embedder_empty_batch() -> None:
+    out = SentenceEmbedder.load().encode([])
+    assert out.shape == (0, 384) and out.dtype == np.float32
+
+
+# --- the Model hooks ------------------------------------------------------------------------
+
+
+def test_model_hooks_output_shape_dtype_norm(model: Any) -> None:
+    emb = run_hooks(model, SENTENCES)
+    assert emb.shape == (len(SENTENCES), 384)
+    assert emb.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+
+
+def test_model_batched_equals_one_by_one(model: Any) -> None:
+    batched = run_hooks(model, SENTENCES)
+    for i, sentence in enumerate(SENTENCES):
+        alone = run_hooks(model, [sentence])
+        np.testing.assert_allclose(batched[i], alone[0], atol=1e-5)
+
+
+def test_model_similar_sentences_are_closer(model: Any) -> None:
+    a, b, c = run_hooks(
+        model, ["A man is eating food.", "A man eats a meal.", "The stock market fell sharply."]
+    )
+    assert float(a @ b) > float(a @ c) + 0.3
+
+
+def test_model_invalid_utf8_row_does_not_fail_batch(model: Any) -> None:
+    inputs = text_tensor(["valid sentence", "x"])
+    inputs[1, 0] = b"caf\xe9 au lait"
+    out = model.postprocess(model.forward(model.preprocess({"TEXT": inputs})))["EMBEDDING"]
+    assert out.shape == (2, 384) and np.isfinite(out).all()
+
+
+def test_model_parameters_model_dir_and_max_seq_len() -> None:
+    m = make_model(model_dir=str(default_model_dir()), max_seq_len=16)
+    assert m.embedder.max_seq_len == 16
+    prepared = m.preprocess({"TEXT": text_tensor(["word " * 100])})
+    assert prepared.input_ids.shape == (1, 16)
+
+
+def test_model_refuses_mismatched_output_shape() -> None:
+    config = load_model_config(MODEL_DIR / "config.yaml")
+    outputs = [config.outputs[0].model_copy(update={"shape": [768]})]
+    with pytest.raises(ValueError, match=r"declared with shape \[768\].*384"):
+        make_model(config.model_copy(update={"outputs": outputs}))
+
+
+def test_model_bf16_close_to_fp32(model: Any) -> None:
+    config = load_model_config(MODEL_DIR / "config.yaml").model_copy(update={"precision": "bf16"})
+    low = make_model(config)
+    assert next(low.embedder.encoder.parameters()).dtype == torch.bfloat16
+    ref = run_hooks(model, SENTENCES)
+    out = run_hooks(low, SENTENCES)
+    assert out.dtype == np.float32
+    assert (ref * out).sum(axis=1).min() >= 0.99
+
+
+@pytest.mark.slow
+def test_model_matches_sentence_transformers(model: Any) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    st = pytest.importorskip("sentence_transformers")
+    reference = st.SentenceTransformer(str(default_model_dir()), device="cpu")
+    ref = reference.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_numpy=True)
+    ours = run_hooks(model, SENTENCES)
+    cosine = (ours * ref).sum(axis=1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cosine.min() >= 0.9999, cosine
+    assert np.abs(ours - ref).max() < 1e-5
+
+
+def test_default_model_dir_has_the_files() -> None:
+    folder = default_model_dir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (Path(folder) / name).is_file(), name
