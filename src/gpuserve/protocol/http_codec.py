@@ -328,14 +328,18 @@ def decode_infer_request(
         raise InvalidInputError(
             f"request 'parameters' must be a JSON object, got {json_type(params)}"
         )
-    priority = _non_negative_int(params, "priority") or 0
-    timeout_us = _non_negative_int(params, "timeout") or None
-    default_binary = params.get("binary_data_output", False)
-    if type(default_binary) is not bool:
-        raise InvalidInputError(
-            f"request parameter 'binary_data_output' must be true or false, got "
-            f"{show(default_binary)}"
-        )
+    priority = 0
+    timeout_us = None
+    default_binary = False
+    if params:
+        priority = _non_negative_int(params, "priority") or 0
+        timeout_us = _non_negative_int(params, "timeout") or None
+        default_binary = params.get("binary_data_output", False)
+        if type(default_binary) is not bool:
+            raise InvalidInputError(
+                f"request parameter 'binary_data_output' must be true or false, got "
+                f"{show(default_binary)}"
+            )
     requested, binary_flags = _decode_outputs(document.get("outputs"), config, model_name)
     request = InferenceRequest(
         model_name=model_name,

@@ -188,13 +188,16 @@ def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) ->
     return tuple(shape)
 
 
-def _flatten(data: list[Any]) -> tuple[list[Any], set[type]]:
+def _flatten(data: list[Any], types: set[type]) -> tuple[list[Any], set[type]]:
     """Flatten nested lists (any depth, ragged allowed); also return the leaf types.
+
+    Args:
+        data: The nested list.
+        types: ``set(map(type, data))``, which the caller has already computed.
 
     Each level costs C-speed passes (``map``/``chain``), not a Python loop per element,
     except for levels that mix lists and scalars.
     """
-    types = set(map(type, data))
     while list in types:
         if len(types) == 1:
             data = list(chain.from_iterable(data))
@@ -272,8 +275,11 @@ def array_from_json(spec: TensorSpec, name: str, shape: tuple[int, ...], data: A
         raise InvalidInputError(
             f"input {name!r}: 'data' must be a JSON array, got {json_type(data)} {show(data)}{hint}"
         )
-    flat, types = _flatten(data)
-    count = element_count(shape)
+    types = set(map(type, data))
+    flat = data
+    if list in types:
+        flat, types = _flatten(data, types)
+    count = math.prod(shape)
     if len(flat) != count:
         raise InvalidInputError(
             f"input {name!r}: shape {format_shape(shape)} needs {count} elements, got {len(flat)}"
@@ -315,7 +321,10 @@ def array_from_json(spec: TensorSpec, name: str, shape: tuple[int, ...], data: A
                 )
         else:
             array = np.array(flat, dtype=dtype)
-    return _reshape(array, shape, name)
+    try:
+        return array.reshape(shape)
+    except ValueError:
+        return _reshape(array, shape, name)
 
 
 def array_from_raw(
