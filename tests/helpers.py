@@ -55,8 +55,13 @@ class InProcessServer:
         from gpuserve.config import ServerConfig
         from gpuserve.server.runner import GpuServer
 
-        config = ServerConfig(model_repository=repository, host="127.0.0.1", http_port=0,
-                              log_level="warning", **settings)
+        config = ServerConfig(
+            model_repository=repository,
+            host="127.0.0.1",
+            http_port=0,
+            log_level="warning",
+            **settings,
+        )
         self.server = GpuServer(config)
         self.thread = threading.Thread(target=self.server.run, name="gpuserve-test", daemon=True)
         self.thread.start()
@@ -82,16 +87,28 @@ class InProcessServer:
 class SubprocessServer:
     """``python -m gpuserve serve`` as a child process."""
 
-    def __init__(self, *args: str, ready_timeout_s: float = 180.0, env: dict | None = None,
-                 wait: bool = True) -> None:
+    def __init__(
+        self, *args: str, ready_timeout_s: float = 180.0, env: dict | None = None, wait: bool = True
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuserve", "serve", "--host", "127.0.0.1",
-             "--http-port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=full_env,
+            [
+                sys.executable,
+                "-m",
+                "gpuserve",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                str(self.port),
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
         )
         if wait:
             try:

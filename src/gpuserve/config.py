@@ -18,8 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gpuserve.errors import ConfigError
 from gpuserve.datatypes import Datatype
+from gpuserve.errors import ConfigError
 
 CONFIG_FILENAME = "config.yaml"
 
@@ -150,38 +150,84 @@ class OptimizationConfig(_Strict):
     channels_last: bool = False
 
 
+class OnnxConfig(_Strict):
+    """ONNX Runtime session settings (backend ``onnx``).
+
+    Attributes:
+        intra_op_threads: Threads used inside one operator; 0 lets ONNX Runtime choose (one per
+            physical core).
+        inter_op_threads: Threads running independent operators at once; used only with
+            ``execution_mode: parallel``; 0 lets ONNX Runtime choose.
+        execution_mode: ``sequential`` (default) or ``parallel`` operator scheduling.
+        graph_optimization_level: ONNX Runtime graph optimisations: ``disable``, ``basic``,
+            ``extended`` or ``all`` (default).
+        execution_providers: Preference order among ``tensorrt``, ``cuda`` and ``cpu``. Only
+            the providers that the installed ONNX Runtime offers are used, GPU providers only
+            for instances on a GPU; drop ``tensorrt`` to skip TensorRT engine builds.
+    """
+
+    intra_op_threads: int = Field(default=0, ge=0, le=1024)
+    inter_op_threads: int = Field(default=0, ge=0, le=1024)
+    execution_mode: Literal["sequential", "parallel"] = "sequential"
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
+    execution_providers: list[Literal["tensorrt", "cuda", "cpu"]] = Field(
+        default_factory=lambda: ["tensorrt", "cuda", "cpu"], min_length=1
+    )
+
+    @field_validator("execution_providers")
+    @classmethod
+    def _unique(cls, providers: list[str]) -> list[str]:
+        if len(set(providers)) != len(providers):
+            raise ValueError(f"each provider may be listed once, got {providers}")
+        return providers
+
+
 class ModelConfig(_Strict):
     """A model's ``config.yaml``.
 
     Attributes:
         name: Model name; defaults to the folder name, and must equal it when given.
-        backend: ``python`` (a user class in ``model.py``) or ``torch`` (an ``nn.Module`` in
-            ``model.py`` or a TorchScript ``model.pt``).
+        backend: ``python`` (a user class in ``model.py``), ``torch`` (an ``nn.Module`` in
+            ``model.py``, a TorchScript ``model.pt`` or a ``torch.export`` program
+            ``model.pt2``) or ``onnx`` (``model.onnx`` on ONNX Runtime).
         max_batch_size: Most rows in one batch. 0 disables batching: inputs then carry no
             batch dimension and each request runs alone.
-        inputs / outputs: Declared tensors, shapes without the batch dimension.
+        inputs / outputs: Declared tensors, shapes without the batch dimension. May be
+            omitted (or empty) where the model file declares them (``onnx``, ``torch`` with
+            ``model.pt2``): the backend then fills them in at load (see
+            ``Backend.complete_config``).
         dynamic_batching: Batching and queueing policy.
         instance_group: Copies of the model and their devices.
         precision: Compute precision; clients keep the declared datatypes.
         optimization: Graph capture / compile options.
         version_policy: Which versions are served.
         parameters: Free-form values handed to the model at load.
+        onnx: ONNX Runtime session settings (backend ``onnx`` only).
     """
 
     name: str | None = None
-    backend: Literal["python", "torch"] = "python"
+    backend: Literal["python", "torch", "onnx"] = "python"
     max_batch_size: int = Field(default=8, ge=0, le=1_000_000)
-    inputs: list[TensorSpec] = Field(min_length=1)
-    outputs: list[TensorSpec] = Field(min_length=1)
+    inputs: list[TensorSpec] = Field(default_factory=list)
+    outputs: list[TensorSpec] = Field(default_factory=list)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
     parameters: dict[str, Any] = Field(default_factory=dict)
+    onnx: OnnxConfig = Field(default_factory=OnnxConfig)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
+        if self.backend == "python":
+            # A Python class declares nothing the server could read its tensors from.
+            for label in ("inputs", "outputs"):
+                if not getattr(self, label):
+                    raise ValueError(
+                        f"backend 'python' needs {label} declared (only 'onnx' and 'torch' "
+                        "with a model.pt2 can fill them in from the model file)"
+                    )
         for group, label in ((self.inputs, "inputs"), (self.outputs, "outputs")):
             names = [t.name for t in group]
             dupes = sorted({n for n in names if names.count(n) > 1})

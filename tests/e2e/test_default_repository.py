@@ -65,9 +65,15 @@ def test_httpx_json_one_sentence_per_request_matches_reference(server, reference
     import httpx
 
     for i, sentence in enumerate(SENTENCES):
-        response = httpx.post(f"{server.url}/v2/models/text_embedding/infer", json={
-            "inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [sentence]}]
-        }, timeout=30)
+        response = httpx.post(
+            f"{server.url}/v2/models/text_embedding/infer",
+            json={
+                "inputs": [
+                    {"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [sentence]}
+                ]
+            },
+            timeout=30,
+        )
         assert response.status_code == 200, response.text
         (output,) = response.json()["outputs"]
         assert output["name"] == "EMBEDDING" and output["shape"] == [1, 384]
@@ -81,8 +87,10 @@ def test_simple_model_is_served(server):
     client = httpclient.InferenceServerClient(url=server.url.removeprefix("http://"))
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     b = np.ones((1, 16), dtype=np.int32)
-    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-              httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
     result = client.infer("simple", inputs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import struct
 
 import numpy as np
 import pytest
@@ -19,14 +18,19 @@ def assert_alive(client):
     response = client.post("/v2/models/double_fp32/infer", json=VALID)
     assert response.status_code == 200, response.text
     assert response.json()["outputs"][0]["data"] == [2.0 * v for v in ROW]
-    other = client.post("/v2/models/varlen_fp32/infer", json={
-        "inputs": [{"name": "X", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]})
+    other = client.post(
+        "/v2/models/varlen_fp32/infer",
+        json={"inputs": [{"name": "X", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]},
+    )
     assert other.status_code == 200, other.text
 
 
 def post_raw(client, model, body: bytes, headers=None):
-    return client.post(f"/v2/models/{model}/infer", content=body,
-                       headers={"content-type": "application/json", **(headers or {})})
+    return client.post(
+        f"/v2/models/{model}/infer",
+        content=body,
+        headers={"content-type": "application/json", **(headers or {})},
+    )
 
 
 def error_of(response) -> str:
@@ -44,10 +48,18 @@ BC01_BODIES = [
     (b'"hello"', "object"),
     (b'{"inputs": {}}', "inputs"),
     (b'{"inputs":[{"name":"INPUT0","datatype":"FP32","data":[1,2]}]}', "shape"),
-    (json.dumps({"inputs": [{"name": "NOPE", "shape": [1, 16], "datatype": "FP32",
-                             "data": ROW}]}).encode(), "INPUT0"),
-    (b'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":' + str(ROW).encode()
-     + b'}], "inputs": []}', "inputs"),
+    (
+        json.dumps(
+            {"inputs": [{"name": "NOPE", "shape": [1, 16], "datatype": "FP32", "data": ROW}]}
+        ).encode(),
+        "INPUT0",
+    ),
+    (
+        b'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","data":'
+        + str(ROW).encode()
+        + b'}], "inputs": []}',
+        "inputs",
+    ),
     (json.dumps(VALID).encode().replace(b"INPUT0", b"INPUT\xff0"), "UTF-8"),
 ]
 
@@ -59,12 +71,16 @@ def test_bc01_malformed_json_is_400_with_reason(client, body, mentions):
     assert response.status_code == 400, response.text
     assert mentions.lower() in error_of(response).lower()
     after = client.get("/v2/models/double_fp32/stats").json()["model_stats"][0]
-    assert after["failure_reasons"].get("invalid", 0) == before["failure_reasons"].get("invalid", 0) + 1
+    assert (
+        after["failure_reasons"].get("invalid", 0)
+        == before["failure_reasons"].get("invalid", 0) + 1
+    )
     assert after["execution_count"] == before["execution_count"]  # the model was never called
     assert_alive(client)
 
 
 # -- BC-02: data/shape mismatch and bad dims ------------------------------------------------
+
 
 def fp32(shape, data):
     return {"inputs": [{"name": "INPUT0", "shape": shape, "datatype": "FP32", "data": data}]}
@@ -97,18 +113,25 @@ def test_bc02_shape_and_count_errors_are_400(client, body, mentions):
 
 # -- BC-03 (REST): datatypes and integer precision -------------------------------------------
 
+
 def ids(datatype, data, model="tokens_int64"):
-    return model, {"inputs": [{"name": "input_ids", "shape": [1, len(data)], "datatype": datatype,
-                               "data": data}]}
+    return model, {
+        "inputs": [
+            {"name": "input_ids", "shape": [1, len(data)], "datatype": datatype, "data": data}
+        ]
+    }
 
 
-@pytest.mark.parametrize(("model_body", "mentions"), [
-    (ids("INT32", [101, 2023, 102]), ["INT32", "INT64"]),
-    (ids("INT64", [9223372036854775808]), ["range"]),
-    (ids("INT32", [3000000000], "tokens_int32"), ["range"]),
-    (ids("INT64", [1.5]), ["input_ids"]),
-    (ids("INT64", [True]), ["input_ids"]),
-])
+@pytest.mark.parametrize(
+    ("model_body", "mentions"),
+    [
+        (ids("INT32", [101, 2023, 102]), ["INT32", "INT64"]),
+        (ids("INT64", [9223372036854775808]), ["range"]),
+        (ids("INT32", [3000000000], "tokens_int32"), ["range"]),
+        (ids("INT64", [1.5]), ["input_ids"]),
+        (ids("INT64", [True]), ["input_ids"]),
+    ],
+)
 def test_bc03_wrong_datatype_or_value_is_400(client, model_body, mentions):
     model, body = model_body
     response = client.post(f"/v2/models/{model}/infer", json=body)
@@ -119,13 +142,17 @@ def test_bc03_wrong_datatype_or_value_is_400(client, model_body, mentions):
 
 
 def test_bc03_int64_beyond_2_pow_53_is_exact(client):
-    body = b'{"inputs":[{"name":"input_ids","shape":[1,1],"datatype":"INT64","data":[9007199254740993]}]}'
+    body = (
+        b'{"inputs":[{"name":"input_ids","shape":[1,1],"datatype":"INT64",'
+        b'"data":[9007199254740993]}]}'
+    )
     response = post_raw(client, "tokens_int64", body)
     assert response.status_code == 200, response.text
     assert b"9007199254740993" in response.content
 
 
 # -- BC-04: BYTES in JSON ---------------------------------------------------------------------
+
 
 def text(shape, data):
     return {"inputs": [{"name": "TEXT", "shape": shape, "datatype": "BYTES", "data": data}]}
@@ -138,13 +165,16 @@ def test_bc04_flat_and_nested_bytes_agree(client):
     assert flat.json()["outputs"] == nested.json()["outputs"]
     # [1,2] nesting for a [2,1] shape follows the numeric rule: nesting is flattened
     odd = client.post("/v2/models/echo_bytes/infer", json=text([2, 1], [["a", "b"]]))
-    numeric = client.post("/v2/models/varlen_fp32/infer", json={"inputs": [
-        {"name": "X", "shape": [2, 1], "datatype": "FP32", "data": [[1.0, 2.0]]}]})
+    numeric = client.post(
+        "/v2/models/varlen_fp32/infer",
+        json={"inputs": [{"name": "X", "shape": [2, 1], "datatype": "FP32", "data": [[1.0, 2.0]]}]},
+    )
     assert odd.status_code == numeric.status_code == 200
 
 
-@pytest.mark.parametrize(("value", "length"), [("héllo ✓", 10), ("", 0), ("a\u0000b", 3),
-                                               ("aGVsbG8=", 8)])
+@pytest.mark.parametrize(
+    ("value", "length"), [("héllo ✓", 10), ("", 0), ("a\u0000b", 3), ("aGVsbG8=", 8)]
+)
 def test_bc04_bytes_round_trip_exactly(client, value, length):
     response = client.post("/v2/models/echo_bytes/infer", json=text([1, 1], [value]))
     assert response.status_code == 200, response.text
@@ -162,8 +192,18 @@ def test_bc04_non_string_bytes_data_is_400(client, body):
 
 # -- BC-06: binary tensor extension ------------------------------------------------------------
 
-HEADER = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                                 "parameters": {"binary_data_size": 16}}]}).encode()
+HEADER = json.dumps(
+    {
+        "inputs": [
+            {
+                "name": "INPUT0",
+                "shape": [1, 4],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": 16},
+            }
+        ]
+    }
+).encode()
 PAYLOAD = np.array([1.5, -2.0, 3.25, 0.0], dtype="<f4").tobytes()
 
 
@@ -192,18 +232,25 @@ def with_size(size: int) -> bytes:
     return HEADER.replace(b'"binary_data_size": 16', f'"binary_data_size": {size}'.encode())
 
 
-@pytest.mark.parametrize(("header", "payload", "length", "mentions"), [
-    (HEADER, PAYLOAD, None, "inference-header-content-length"),
-    (HEADER, PAYLOAD, len(HEADER) + 100, "inference-header-content-length"),
-    (HEADER, PAYLOAD, len(HEADER) - 10, "inference-header-content-length"),
-    (HEADER, PAYLOAD, -5, "inference-header-content-length"),
-    (HEADER, PAYLOAD, "abc", "inference-header-content-length"),
-    (HEADER, PAYLOAD[:12], len(HEADER), "12"),
-    (HEADER, PAYLOAD + b"\0" * 4, len(HEADER), "4"),
-    (with_size(12), PAYLOAD[:12], len(with_size(12)), "16"),
-    (HEADER.replace(b'"parameters"', b'"data": [1, 2, 3, 4], "parameters"'), PAYLOAD,
-     len(HEADER.replace(b'"parameters"', b'"data": [1, 2, 3, 4], "parameters"')), "data"),
-])
+@pytest.mark.parametrize(
+    ("header", "payload", "length", "mentions"),
+    [
+        (HEADER, PAYLOAD, None, "inference-header-content-length"),
+        (HEADER, PAYLOAD, len(HEADER) + 100, "inference-header-content-length"),
+        (HEADER, PAYLOAD, len(HEADER) - 10, "inference-header-content-length"),
+        (HEADER, PAYLOAD, -5, "inference-header-content-length"),
+        (HEADER, PAYLOAD, "abc", "inference-header-content-length"),
+        (HEADER, PAYLOAD[:12], len(HEADER), "12"),
+        (HEADER, PAYLOAD + b"\0" * 4, len(HEADER), "4"),
+        (with_size(12), PAYLOAD[:12], len(with_size(12)), "16"),
+        (
+            HEADER.replace(b'"parameters"', b'"data": [1, 2, 3, 4], "parameters"'),
+            PAYLOAD,
+            len(HEADER.replace(b'"parameters"', b'"data": [1, 2, 3, 4], "parameters"')),
+            "data",
+        ),
+    ],
+)
 def test_bc06_binary_errors_are_400_and_name_the_problem(client, header, payload, length, mentions):
     response = post_binary(client, header, payload, length)
     assert response.status_code == 400, response.text
@@ -213,6 +260,7 @@ def test_bc06_binary_errors_are_400_and_name_the_problem(client, header, payload
 
 # -- BC-07: zero-size dimensions ---------------------------------------------------------------
 
+
 def test_bc07_zero_size_non_batch_dim_returns_empty_output(client):
     body = {"inputs": [{"name": "X", "shape": [1, 0], "datatype": "FP32", "data": []}]}
     response = client.post("/v2/models/varlen_fp32/infer", json=body)
@@ -221,11 +269,14 @@ def test_bc07_zero_size_non_batch_dim_returns_empty_output(client):
     assert out["shape"] == [1, 0] and out["data"] == []
 
 
-@pytest.mark.parametrize(("model", "name", "datatype", "shape"), [
-    ("varlen_fp32", "X", "FP32", [0, 5]),
-    ("varlen_fp32", "X", "FP32", [0, 0]),
-    ("echo_bytes", "TEXT", "BYTES", [0, 1]),
-])
+@pytest.mark.parametrize(
+    ("model", "name", "datatype", "shape"),
+    [
+        ("varlen_fp32", "X", "FP32", [0, 5]),
+        ("varlen_fp32", "X", "FP32", [0, 0]),
+        ("echo_bytes", "TEXT", "BYTES", [0, 1]),
+    ],
+)
 def test_bc07_empty_batch_is_a_documented_400(client, model, name, datatype, shape):
     body = {"inputs": [{"name": name, "shape": shape, "datatype": datatype, "data": []}]}
     response = client.post(f"/v2/models/{model}/infer", json=body)
@@ -234,16 +285,31 @@ def test_bc07_empty_batch_is_a_documented_400(client, model, name, datatype, sha
 
 
 def test_bc07_binary_zero_bytes_and_neighbours_in_the_same_window(client):
-    header = json.dumps({"inputs": [{"name": "X", "shape": [1, 0], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 0}}]}).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "X",
+                    "shape": [1, 0],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 0},
+                }
+            ]
+        }
+    ).encode()
 
     def empty():
-        return client.post("/v2/models/varlen_fp32/infer", content=header,
-                           headers={"inference-header-content-length": str(len(header))})
+        return client.post(
+            "/v2/models/varlen_fp32/infer",
+            content=header,
+            headers={"inference-header-content-length": str(len(header))},
+        )
 
     def normal(i):
-        return client.post("/v2/models/varlen_fp32/infer", json={"inputs": [
-            {"name": "X", "shape": [1, 5], "datatype": "FP32", "data": [i] * 5}]})
+        return client.post(
+            "/v2/models/varlen_fp32/infer",
+            json={"inputs": [{"name": "X", "shape": [1, 5], "datatype": "FP32", "data": [i] * 5}]},
+        )
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(empty)] + [pool.submit(normal, i) for i in range(3)]
@@ -256,20 +322,28 @@ def test_bc07_binary_zero_bytes_and_neighbours_in_the_same_window(client):
 
 # -- BC-09: batch scatter and output-count mismatch --------------------------------------------
 
+
 def run_three(client, model):
     def call(args):
         rows, start = args
         data = (np.arange(rows * 16) + start).tolist()
-        return client.post(f"/v2/models/{model}/infer", json={"inputs": [
-            {"name": "INPUT0", "shape": [rows, 16], "datatype": "FP32", "data": data}]})
+        return client.post(
+            f"/v2/models/{model}/infer",
+            json={
+                "inputs": [
+                    {"name": "INPUT0", "shape": [rows, 16], "datatype": "FP32", "data": data}
+                ]
+            },
+        )
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         return list(pool.map(call, [(1, 0), (3, 1000), (2, 5000)]))
 
 
 def test_bc09_each_caller_gets_exactly_its_rows(client):
-    for (rows, start), response in zip([(1, 0), (3, 1000), (2, 5000)],
-                                       run_three(client, "double_fp32_wide"), strict=True):
+    for (rows, start), response in zip(
+        [(1, 0), (3, 1000), (2, 5000)], run_three(client, "double_fp32_wide"), strict=True
+    ):
         assert response.status_code == 200
         out = response.json()["outputs"][0]
         assert out["shape"] == [rows, 16]
@@ -287,14 +361,17 @@ def test_bc09_wrong_output_rows_fail_every_member_with_500(client):
 
 # -- BC-14: one bad request in a batch ---------------------------------------------------------
 
+
 def test_bc14_invalid_requests_are_refused_before_batching(client):
     bodies = [fp32([1, 16], [float(i)] * 16) for i in range(6)]
-    bodies.append({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32",
-                               "data": ROW}]})
+    bodies.append(
+        {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": ROW}]}
+    )
     bodies.append(fp32([1, 15], ROW[:15]))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(
-            lambda b: client.post("/v2/models/double_fp32/infer", json=b), bodies))
+        responses = list(
+            pool.map(lambda b: client.post("/v2/models/double_fp32/infer", json=b), bodies)
+        )
     for i, response in enumerate(responses[:6]):
         assert response.status_code == 200
         assert response.json()["outputs"][0]["data"] == [2.0 * i] * 16
@@ -306,8 +383,9 @@ def test_bc14_a_raising_batch_is_split_so_only_the_bad_request_fails(client):
     bodies = [fp32([1, 16], [float(i + 1)] * 16) for i in range(7)]
     bodies.insert(3, fp32([1, 16], [-999.0] + [0.0] * 15))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(
-            lambda b: client.post("/v2/models/marker_fail/infer", json=b), bodies))
+        responses = list(
+            pool.map(lambda b: client.post("/v2/models/marker_fail/infer", json=b), bodies)
+        )
     statuses = [r.status_code for r in responses]
     assert statuses == [200, 200, 200, 500, 200, 200, 200, 200]
     assert "marker" in error_of(responses[3])
@@ -316,8 +394,11 @@ def test_bc14_a_raising_batch_is_split_so_only_the_bad_request_fails(client):
             expected = [2.0 * v for v in body["inputs"][0]["data"]]
             assert response.json()["outputs"][0]["data"] == expected
     after = client.get("/v2/models/marker_fail/stats").json()["model_stats"][0]
-    assert after["failure_reasons"].get("backend_error", 0) - \
-        before["failure_reasons"].get("backend_error", 0) == 1
+    assert (
+        after["failure_reasons"].get("backend_error", 0)
+        - before["failure_reasons"].get("backend_error", 0)
+        == 1
+    )
 
 
 def test_bc14_per_row_error_fails_only_its_request(client):
@@ -325,8 +406,9 @@ def test_bc14_per_row_error_fails_only_its_request(client):
     bodies = [fp32([1, 16], [float(i + 1)] * 16) for i in range(7)]
     bodies.insert(5, fp32([1, 16], [-999.0] + [0.0] * 15))
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(
-            lambda b: client.post("/v2/models/marker_fail_per_row/infer", json=b), bodies))
+        responses = list(
+            pool.map(lambda b: client.post("/v2/models/marker_fail_per_row/infer", json=b), bodies)
+        )
     assert [r.status_code for r in responses] == [200] * 5 + [500] + [200] * 2
     assert "marker" in error_of(responses[5])
     after = client.get("/v2/models/marker_fail_per_row/stats").json()["model_stats"][0]

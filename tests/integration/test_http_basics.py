@@ -85,12 +85,18 @@ def test_concurrent_requests_are_batched_and_each_caller_gets_its_rows(client, s
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == sum(rows for _, rows, _ in results)
     assert executions < 32, f"{executions} executions for 32 requests: nothing was batched"
-    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 32
+    assert (
+        after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
+        == 32
+    )
 
 
 def test_torch_backend_module(client):
-    body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32",
-                        "data": [1, 1, 1, 1, 0, 0, 0, 1]}]}
+    body = {
+        "inputs": [
+            {"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [1, 1, 1, 1, 0, 0, 0, 1]}
+        ]
+    }
     response = client.post("/v2/models/torch_linear/infer", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["outputs"][0]["data"] == [10.5, -0.5, 4.5, -0.5]

@@ -10,8 +10,14 @@ from gpuserve.engine.request import InferenceRequest
 from gpuserve.errors import OverloadedError
 
 
-def item(rows: int = 1, at: float = 0.0, key: object = (16,), priority: int = 1,
-         deadline: float | None = None, tag: str = "") -> Pending:
+def item(
+    rows: int = 1,
+    at: float = 0.0,
+    key: object = (16,),
+    priority: int = 1,
+    deadline: float | None = None,
+    tag: str = "",
+) -> Pending:
     request = InferenceRequest("m", None, {"x": np.zeros((rows, 16), np.float32)}, id=tag)
     return Pending(request, rows, key, at, deadline, priority)
 

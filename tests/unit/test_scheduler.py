@@ -79,8 +79,10 @@ def test_concurrent_requests_batch_and_each_gets_its_own_rows():
         first = asyncio.ensure_future(scheduler.infer(request(1, 1000.0)))
         await asyncio.sleep(0.05)
         sizes = [1, 3, 2, 2]
-        tasks = [asyncio.ensure_future(scheduler.infer(request(n, 100.0 * i)))
-                 for i, n in enumerate(sizes)]
+        tasks = [
+            asyncio.ensure_future(scheduler.infer(request(n, 100.0 * i)))
+            for i, n in enumerate(sizes)
+        ]
         await asyncio.sleep(0.05)
         backend.gate.set()
         results = await asyncio.gather(first, *tasks)
@@ -120,7 +122,9 @@ def test_a_failing_request_fails_alone():
 def test_wrong_row_count_fails_every_member_with_a_clear_message():
     async def main():
         scheduler = start(make_config(), Doubler(drop_row=True))
-        with pytest.raises(BackendError, match="returned 2 rows in output 'OUTPUT0' for a batch of 3"):
+        with pytest.raises(
+            BackendError, match="returned 2 rows in output 'OUTPUT0' for a batch of 3"
+        ):
             await scheduler.infer(request(3, 0.0))
         await scheduler.close()
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from gpuserve.backends.base import Backend
 
+BACKEND_NAMES = ("python", "torch", "onnx")
 
-def create_backend(name: str) -> Backend:
-    """A new, unloaded backend object for ``name`` (``python`` or ``torch``).
+
+def backend_class(name: str) -> type[Backend]:
+    """The backend class for ``name`` (``python``, ``torch`` or ``onnx``), imported lazily.
 
     Raises:
         ValueError: unknown backend name (config validation normally catches this first).
@@ -14,9 +16,22 @@ def create_backend(name: str) -> Backend:
     if name == "python":
         from gpuserve.backends.python import PythonBackend
 
-        return PythonBackend()
+        return PythonBackend
     if name == "torch":
         from gpuserve.backends.torch_backend import TorchBackend
 
-        return TorchBackend()
-    raise ValueError(f"unknown backend {name!r} (expected 'python' or 'torch')")
+        return TorchBackend
+    if name == "onnx":
+        from gpuserve.backends.onnx_backend import OnnxBackend
+
+        return OnnxBackend
+    raise ValueError(f"unknown backend {name!r} (expected one of {', '.join(BACKEND_NAMES)})")
+
+
+def create_backend(name: str) -> Backend:
+    """A new, unloaded backend object for ``name`` (see :func:`backend_class`).
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    return backend_class(name)()

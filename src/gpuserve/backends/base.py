@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.config import ModelConfig
+from gpuserve.errors import ConfigError
 
 _PRECISION_TO_TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -81,6 +82,37 @@ class RowErrors(dict):  # type: ignore[type-arg]
 
 class Backend(abc.ABC):
     """One loaded copy of a model, driven by one engine instance thread."""
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
+        """Complete ``config`` from the model file of one version, or check it against it.
+
+        The model manager calls this once per version, off the event loop and before any
+        instance is built; the config it returns is the one that version is served with (the
+        protocol validates requests against it, ``/v2/models/{m}/config`` shows it). A
+        backend whose model files declare their tensors (ONNX, ``torch.export``) fills in
+        omitted ``inputs``/``outputs`` and refuses declarations that disagree with the
+        model. This default fills in nothing: it only requires both to be declared.
+
+        Args:
+            config: The validated ``config.yaml`` of the model.
+            version_path: The version folder (``<repository>/<model>/<version>``).
+
+        Returns:
+            The config to serve this version with (``config`` itself when nothing changes).
+
+        Raises:
+            ConfigError: the config cannot be completed, or disagrees with the model file;
+                the message names the config's value and the model's.
+        """
+        missing = [label for label in ("inputs", "outputs") if not getattr(config, label)]
+        if missing:
+            raise ConfigError(
+                f"{version_path.parent / 'config.yaml'}: {' and '.join(missing)} omitted, but "
+                f"backend '{config.backend}' cannot read them from {version_path.name}/: "
+                "declare them in config.yaml"
+            )
+        return config
 
     @abc.abstractmethod
     def load(self, context: LoadContext) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -32,8 +33,6 @@ def import_module_from_path(path: Path, model_name: str, version: int) -> Module
     except Exception as err:  # user code: any failure is a load failure with its cause
         raise ConfigError(f"{path}: import failed: {type(err).__name__}: {err}") from err
     finally:
-        try:
+        with contextlib.suppress(ValueError):
             sys.path.remove(folder)
-        except ValueError:
-            pass
     return module

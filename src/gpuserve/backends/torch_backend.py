@@ -25,8 +25,8 @@ import torch
 
 from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.backends.loader import import_module_from_path
-from gpuserve.errors import ConfigError
 from gpuserve.datatypes import numpy_dtype
+from gpuserve.errors import ConfigError
 
 
 class TorchBackend(Backend):

@@ -20,13 +20,20 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpuserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     serve = sub.add_parser("serve", help="serve a model repository over KServe V2 HTTP")
-    serve.add_argument("--model-repository", type=Path, help="model repository folder "
-                       "(default: the embedded repository with text_embedding and simple)")
+    serve.add_argument(
+        "--model-repository",
+        type=Path,
+        help="model repository folder "
+        "(default: the embedded repository with text_embedding and simple)",
+    )
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--shutdown-timeout-s", type=float,
-                       help="seconds in-flight requests may take to finish on SIGTERM (default 30)")
+    serve.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        help="seconds in-flight requests may take to finish on SIGTERM (default 30)",
+    )
     return parser
 
 
@@ -58,8 +65,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as err:
         for item in err.errors():
             field = ".".join(str(p) for p in item["loc"])
-            print(f"gpuserve: invalid setting {field}: {item['msg']} (given: {item.get('input')!r})",
-                  file=sys.stderr)
+            print(
+                f"gpuserve: invalid setting {field}: {item['msg']} (given: {item.get('input')!r})",
+                file=sys.stderr,
+            )
         return 2
     configure_logging(config.log_level)
     GpuServer(config).run()

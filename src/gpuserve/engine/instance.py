@@ -94,7 +94,9 @@ class Instance:
         Raises:
             BaseException: whatever the backend's load or warmup raised.
         """
-        self._thread = threading.Thread(target=self._main, name=f"gpuserve-{self.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, name=f"gpuserve-{self.name}", daemon=True
+        )
         self._thread.start()
         self._loaded.wait(timeout_s)
         if self._load_error is not None:
@@ -149,7 +151,9 @@ class Instance:
             if len(requests) > 1:
                 logger.warning(
                     "instance %s: batch of %d requests failed (%s); running them one by one",
-                    self.name, len(requests), _describe(err),
+                    self.name,
+                    len(requests),
+                    _describe(err),
                 )
                 result.results = []
                 for item in batch.items:
@@ -189,9 +193,7 @@ class Instance:
         first = requests[0].inputs
         if len(requests) == 1:
             return first
-        return {
-            name: np.concatenate([r.inputs[name] for r in requests], axis=0) for name in first
-        }
+        return {name: np.concatenate([r.inputs[name] for r in requests], axis=0) for name in first}
 
     def _check_outputs(self, outputs: Outputs, rows: int) -> None:
         missing = [name for name in self._output_names if name not in outputs]
@@ -212,7 +214,9 @@ class Instance:
                     f"for a batch of {rows} rows"
                 )
 
-    def _split(self, requests: list[InferenceRequest], outputs: Outputs) -> list[Outputs | GpuserveError]:
+    def _split(
+        self, requests: list[InferenceRequest], outputs: Outputs
+    ) -> list[Outputs | GpuserveError]:
         results: list[Outputs | GpuserveError] = []
         row_errors = outputs.errors if isinstance(outputs, RowErrors) else None
         offset = 0
@@ -236,7 +240,9 @@ class Instance:
     def _row_error(self, row: int, error: object) -> GpuserveError:
         if isinstance(error, GpuserveError):
             return error
-        return BackendError(f"model '{self.config.name}' failed on row {row} of the request: {error}")
+        return BackendError(
+            f"model '{self.config.name}' failed on row {row} of the request: {error}"
+        )
 
 
 def _rows(request: InferenceRequest, batched: bool) -> int:

@@ -200,8 +200,14 @@ class ModelScheduler:
         ok = all(not isinstance(r, GpuserveError) for r in result.results)
         self.stats.record_batch(
             BatchStats(
-                self.name, self.version, batch.rows, len(batch.items),
-                result.preprocess_s, result.forward_s, result.postprocess_s, ok,
+                self.name,
+                self.version,
+                batch.rows,
+                len(batch.items),
+                result.preprocess_s,
+                result.forward_s,
+                result.postprocess_s,
+                ok,
             )
         )
         self.stats.execution_count += result.executions - 1
@@ -220,7 +226,10 @@ class ModelScheduler:
             if not future.done():
                 future.set_result(
                     InferenceResponse(
-                        self.name, self.version, item.request.id, outcome,
+                        self.name,
+                        self.version,
+                        item.request.id,
+                        outcome,
                         RequestTiming(queue_s, compute_s, total_s),
                     )
                 )

@@ -6,7 +6,7 @@
 :mod:`~gpuserve.protocol.binary` the BYTES wire format.
 
 The names below are imported lazily: :mod:`gpuserve.config` imports
-:mod:`gpuserve.protocol.datatypes`, and the codecs need the config types, so an eager import
+:mod:`gpuserve.datatypes`, and the codecs need the config types, so an eager import
 here would be circular.
 """
 

@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from gpuserve.datatypes import NUMPY_DTYPES
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError
 from gpuserve.protocol.binary import bytes_as_text, bytes_elements, serialize_bytes
-from gpuserve.protocol.datatypes import NUMPY_DTYPES
 from gpuserve.protocol.json_header import parse_json_header
-from gpuserve.protocol.tensors import build_input, json_type, show, validate_request_shapes
+from gpuserve.protocol.shapes import json_type, show, validate_request_shapes
+from gpuserve.protocol.tensors import build_input
 
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig, TensorSpec
@@ -247,7 +248,8 @@ def decode_infer_request(
         )
 
     arrays: dict[str, np.ndarray] = {}
-    offset = 0
+    offset = 0  # into ``binary``
+    binary_inputs = 0
     for index, item in enumerate(inputs):
         if type(item) is not dict:
             raise InvalidInputError(
@@ -309,12 +311,13 @@ def decode_infer_request(
             )
         raw = binary[offset : offset + size_param]
         offset += size_param
+        binary_inputs += 1
         arrays[name] = build_input(
             spec, name, item.get("datatype"), item.get("shape"), raw=raw, config=config
         )
     if binary is not None and offset != len(binary):
         extra = len(binary) - offset
-        where = "the last binary input" if offset else "the JSON header (no input is binary)"
+        where = "the last binary input" if binary_inputs else "the JSON (no input is binary)"
         raise InvalidInputError(f"{extra} unexpected bytes after {where}")
     validate_request_shapes({name: array.shape for name, array in arrays.items()}, config)
 

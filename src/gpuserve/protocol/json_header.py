@@ -6,16 +6,16 @@ catches duplicates but costs several times orjson's parse, so it runs only when 
 that no key is repeated fails. The proof counts colons:
 
 * In valid JSON, every colon outside a string separates one key from its value, so
-  ``header.count(b":") == raw_keys + colons_inside_strings``.
-* orjson's result can only have *fewer* keys (duplicates collapse) and strings (the
-  dropped values go away) than the raw text.
-* So if the keys found in the parsed document (plus, without ``\\u003a`` escapes, the colons
-  inside its strings) account for every colon byte, nothing was dropped: no duplicates.
+  ``header.count(b":") == raw_keys + colons_inside_raw_strings``.
+* orjson's result can only have *fewer* keys and strings than the raw text (a repeated key
+  collapses, and the value it replaces is gone).
+* So if the parsed document accounts for every colon byte, nothing was dropped.
 
-Counting keys walks the parsed objects but skips ``data`` arrays, so a large JSON tensor is
-not walked; the colon count is a C-speed byte scan. Typical numeric requests are proven by
-the key count alone; requests whose strings contain colons need one pass over those strings;
-only a real duplicate (or ``\\u003a`` escapes) pays for the second parse.
+Step 1 counts the parsed keys, skipping ``data`` arrays (a JSON tensor costs nothing) and
+proves the typical request, whose strings hold no colon. Step 2 re-serializes the document
+with orjson (C speed; it writes one colon per key plus the string colons, unescaped) and
+compares colon counts; ``\\u003a`` escapes make step 2 unsound, so they skip it. Only a real
+duplicate, or an escaped colon, pays for the exact second parse.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.protocol.tensors import json_type
+from gpuserve.protocol.shapes import json_type
 
 
 class _DuplicateKeyError(Exception):
@@ -47,14 +47,20 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _count_keys(obj: dict[str, Any]) -> int:
-    """Keys of ``obj`` and every object nested in it, except inside ``data`` arrays."""
+    """Keys of ``obj`` and of objects nested in it; may under-count, never over-count.
+
+    ``data`` arrays and arrays that do not start with an object or array (shapes) are not
+    walked, so a JSON tensor costs nothing here.
+    """
     count = len(obj)
     for key, value in obj.items():
         kind = type(value)
         if kind is dict:
             count += _count_keys(value)
-        elif kind is list and key != "data":
-            count += _count_keys_in_list(value)
+        elif kind is list and value and key != "data":
+            first = type(value[0])
+            if first is dict or first is list:
+                count += _count_keys_in_list(value)
     return count
 
 
@@ -69,41 +75,57 @@ def _count_keys_in_list(items: list[Any]) -> int:
     return count
 
 
-def _count_string_colons(obj: Any) -> int:
-    """Colons inside the parsed strings (keys and values), never more than there are.
-
-    Skipping a string makes the count smaller, which only sends the request to the exact
-    check, so lists of numbers are skipped without looking at each element.
-    """
-    kind = type(obj)
-    if kind is str:
-        return obj.count(":")
-    if kind is dict:
-        return sum(key.count(":") + _count_string_colons(value) for key, value in obj.items())
-    if kind is list and obj:
-        first = type(obj[0])
-        if first is str:
-            try:
-                return "".join(obj).count(":")
-            except TypeError:  # mixed types: an invalid tensor, let the exact check decide
-                return 0
-        if first is list or first is dict:
-            return sum(_count_string_colons(item) for item in obj)
-    return 0
-
-
 def _has_no_duplicates(header: bytes, document: dict[str, Any]) -> bool:
+    """A cheap proof that no object of ``document`` lost a repeated key (False: not proven)."""
     colons = header.count(b":")
-    keys = _count_keys(document)
-    if keys == colons:
+    if _count_keys(document) == colons:
         return True
     if b"\\u003a" in header or b"\\u003A" in header:
         return False  # an escaped colon is invisible to the byte count
-    return keys + _count_string_colons(document) == colons
+    # orjson writes one colon per key plus the colons inside strings, unescaped
+    try:
+        return orjson.dumps(document).count(b":") == colons
+    except orjson.JSONEncodeError:  # nested deeper than orjson writes
+        return False
 
 
 def _position(err: orjson.JSONDecodeError) -> str:
     return f"{err.msg} at line {err.lineno} column {err.colno} (char {err.pos})"
+
+
+def _byte_offset(err: orjson.JSONDecodeError) -> int:
+    """orjson reports character offsets; the header length is in bytes."""
+    doc = err.doc
+    return len(doc[: err.pos].encode()) if isinstance(doc, str) else err.pos
+
+
+def _trailing_data_end(header: bytes, bad_utf8_at: int) -> int | None:
+    """Where a JSON document ends when invalid UTF-8 comes after it (binary data), else None.
+
+    orjson checks the UTF-8 of the whole input before parsing, so a JSON document followed by
+    raw tensor bytes first looks like an encoding error; parsing the valid prefix tells the two
+    apart.
+    """
+    try:
+        orjson.loads(header[:bad_utf8_at])
+    except orjson.JSONDecodeError as err:
+        if err.msg.startswith("unexpected content after document"):
+            return _byte_offset(err)
+        return None
+    return bad_utf8_at
+
+
+def _trailing_error(where: str, end: int, header_length: int | None) -> InvalidInputError:
+    if header_length is None:
+        return InvalidInputError(
+            f"request body has data after the JSON document (from byte {end}); if it carries "
+            f"binary tensor data, send the Inference-Header-Content-Length header with the "
+            f"JSON length (the JSON appears to be {end} bytes)"
+        )
+    return InvalidInputError(
+        f"{where} has data after the JSON document (from byte {end}); "
+        f"Inference-Header-Content-Length must equal the JSON length exactly"
+    )
 
 
 def _parse_error(
@@ -120,21 +142,15 @@ def _parse_error(
         try:
             header.decode()
         except UnicodeDecodeError as bad:
+            end = _trailing_data_end(header, bad.start)
+            if end is not None:
+                return _trailing_error(where, end, header_length)
             return InvalidInputError(
                 f"{where} is not valid UTF-8: byte 0x{header[bad.start]:02x} at position "
                 f"{bad.start} ({bad.reason})"
             )
     if err.msg.startswith("unexpected content after document"):
-        if header_length is None:
-            return InvalidInputError(
-                f"request body has data after the JSON document (from char {err.pos}); "
-                f"if it carries binary tensor data, send the Inference-Header-Content-Length "
-                f"header with the JSON length ({err.pos} here)"
-            )
-        return InvalidInputError(
-            f"{where} has data after the JSON document (from char {err.pos}); "
-            f"Inference-Header-Content-Length must equal the JSON length exactly"
-        )
+        return _trailing_error(where, _byte_offset(err), header_length)
     return InvalidInputError(f"{where} is not valid JSON: {_position(err)}")
 
 

@@ -1,11 +1,10 @@
 """Validation and construction of input tensors, shared by the HTTP and gRPC codecs.
 
-Everything a client sends about one input is checked here against the model's declared
-:class:`~gpuserve.config.TensorSpec`: the datatype (exact match, no silent casting), the shape
-(concrete, non-negative integers, batch dimension within ``1..max_batch_size``) and the data
-(element count, element types and value ranges, byte sizes). Element counts are computed with
-Python integers, so they cannot overflow, and are compared with the data actually received
-before anything is allocated from the shape.
+Everything a client sends about one input is checked against the model's declared
+:class:`~gpuserve.config.TensorSpec`: the datatype (exact match, no silent casting) and the
+shape (see :mod:`gpuserve.protocol.shapes`), then the data here (element count, element types
+and value ranges, byte sizes). Element counts are Python integers, so they cannot overflow,
+and are compared with the data actually received before anything is allocated from the shape.
 
 Policies:
     * Nested JSON ``data`` is flattened whatever its nesting (even ragged); only the total
@@ -13,179 +12,60 @@ Policies:
       same rule.
     * When the model batches, a batch dimension of 0 is refused; any other dimension declared
       ``-1`` may be 0 (an empty tensor such as ``[1, 0]``).
-    * FP16/FP32 values beyond the type's finite range are refused rather than turned into
-      infinity; values inside it are rounded to the nearest representable number.
+    * FP16/FP32 values that would round to infinity are refused; others are rounded to the
+      nearest representable number (so the shortest text of the largest finite value parses).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 
+from gpuserve.datatypes import NUMPY_DTYPES
 from gpuserve.errors import InvalidInputError
 from gpuserve.protocol.binary import deserialize_bytes
-from gpuserve.protocol.datatypes import DATATYPES, NUMPY_DTYPES
+from gpuserve.protocol.shapes import (
+    check_datatype,
+    check_shape,
+    element_count,
+    format_shape,
+    json_type,
+    show,
+    validate_request_shapes,
+)
 
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig, TensorSpec
 
-_MAX_DIM = 2**63 - 1  # numpy dimensions are signed 64-bit
+__all__ = [
+    "array_from_json",
+    "array_from_raw",
+    "build_input",
+    "check_datatype",
+    "check_shape",
+    "element_count",
+    "validate_request_shapes",
+]
+
 _INT_RANGES: dict[str, tuple[int, int]] = {
     name: (int(np.iinfo(dt).min), int(np.iinfo(dt).max))
     for name, dt in NUMPY_DTYPES.items()
     if dt.kind in "iu"
 }
+# Smallest magnitude that rounds to infinity (round-to-nearest-even: max + half an ulp),
+# so that the shortest text of the largest finite value (e.g. 3.4028235e38) still parses.
+_FLOAT_OVERFLOW: dict[str, float] = {"FP16": 65520.0, "FP32": (2 - 2**-24) * 2.0**127}
 _FLOAT_MAX: dict[str, float] = {"FP16": 65504.0, "FP32": float(np.finfo(np.float32).max)}
+_SMALL = 4096  # below this, Python's min/max beat numpy's per-call overhead
 # numpy < 2 wraps out-of-range Python ints on conversion instead of raising OverflowError
 _NUMPY_WRAPS_INTS = np.lib.NumpyVersion(np.__version__) < "2.0.0"
 _INT_ONLY = frozenset({int})
 _REAL = frozenset({int, float})
 _BOOL_ONLY = frozenset({bool})
 _STR_ONLY = frozenset({str})
-_JSON_TYPE_NAMES = {
-    dict: "object",
-    list: "array",
-    str: "string",
-    int: "integer",
-    float: "number",
-    bool: "boolean",
-    type(None): "null",
-}
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type (``object``, ``array``, ``string``, ...)."""
-    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
-
-
-def show(value: Any, limit: int = 60) -> str:
-    """A value as JSON text for a message, cut to ``limit`` characters."""
-    try:
-        text = orjson.dumps(value).decode()
-    except TypeError:
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def format_shape(shape: Sequence[Any]) -> str:
-    """``[1, 16]``; non-integers shown as JSON (``[1, 16.0]``, ``["1", 16]``)."""
-    return "[" + ", ".join(show(d, 30) for d in shape) + "]"
-
-
-def declared_shape(spec: TensorSpec, max_batch_size: int) -> str:
-    """The full shape a request must send, with ``-1`` for free dimensions."""
-    dims = [-1, *spec.shape] if max_batch_size > 0 else list(spec.shape)
-    return format_shape(dims)
-
-
-def element_count(shape: Sequence[int]) -> int:
-    """Number of elements of ``shape`` (exact, Python integers: no overflow)."""
-    return math.prod(shape)
-
-
-def check_datatype(spec: TensorSpec, name: str, datatype: Any) -> None:
-    """Require the request's datatype to equal the declared one exactly.
-
-    Raises:
-        InvalidInputError: missing, not a V2 datatype, BF16, or a different datatype.
-    """
-    if datatype == spec.datatype:
-        return
-    if datatype is None:
-        raise InvalidInputError(f"input {name!r}: 'datatype' is missing")
-    if type(datatype) is not str:
-        raise InvalidInputError(
-            f"input {name!r}: 'datatype' must be a string such as {spec.datatype!r}, "
-            f"got {json_type(datatype)} {show(datatype)}"
-        )
-    if datatype == "BF16":
-        raise InvalidInputError(
-            f"input {name!r}: datatype BF16 is not supported (no numpy equivalent); "
-            f"the model expects {spec.datatype}"
-        )
-    if datatype not in DATATYPES:
-        raise InvalidInputError(
-            f"input {name!r}: datatype {show(datatype)} is not a KServe V2 datatype "
-            f"(one of {', '.join(NUMPY_DTYPES)}); the model expects {spec.datatype}"
-        )
-    raise InvalidInputError(
-        f"input {name!r}: datatype {datatype} does not match the model's {spec.datatype}"
-    )
-
-
-def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) -> tuple[int, ...]:
-    """Validate a client-sent shape against the declared one.
-
-    Args:
-        spec: The declared input (shape without the batch dimension, ``-1`` = any).
-        name: Input name, for messages.
-        shape: As received: must be a list (or tuple) of non-negative integers.
-        max_batch_size: The model's; when > 0 the shape is ``[batch] + dims`` with
-            ``1 <= batch <= max_batch_size``.
-
-    Returns:
-        The shape as a tuple of ints.
-
-    Raises:
-        InvalidInputError: the message names the input, the shape received and the
-            declared shape.
-    """
-    if type(shape) is not list and type(shape) is not tuple:
-        if shape is None:
-            raise InvalidInputError(f"input {name!r}: 'shape' is missing")
-        raise InvalidInputError(
-            f"input {name!r}: 'shape' must be an array of integers, got "
-            f"{json_type(shape)} {show(shape)}"
-        )
-    for dim in shape:
-        if type(dim) is not int:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)} must hold only integers; "
-                f"{show(dim)} is a {json_type(dim)}"
-            )
-        if dim < 0:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)} has a negative dimension; "
-                f"shapes sent by a client must be concrete non-negative integers"
-            )
-        if dim > _MAX_DIM:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)} has a dimension above 2^63-1"
-            )
-    dims = spec.shape
-    batched = max_batch_size > 0
-    if len(shape) != len(dims) + batched:
-        batch_note = f" (the first dimension is the batch, 1..{max_batch_size})" if batched else ""
-        raise InvalidInputError(
-            f"input {name!r}: shape {format_shape(shape)} has {len(shape)} dimensions but "
-            f"the model expects {len(dims) + batched}: "
-            f"{declared_shape(spec, max_batch_size)}{batch_note}"
-        )
-    if batched:
-        batch = shape[0]
-        if batch == 0:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)}: batch dimension 0 is not "
-                f"allowed (must be 1..max_batch_size, here 1..{max_batch_size})"
-            )
-        if batch > max_batch_size:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)}: batch dimension {batch} "
-                f"exceeds max_batch_size {max_batch_size}"
-            )
-    for index, want in enumerate(dims, start=batched):
-        if want != -1 and shape[index] != want:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)} does not match the model's "
-                f"{declared_shape(spec, max_batch_size)}: dimension {index} is "
-                f"{shape[index]}, expected {want}"
-            )
-    return tuple(shape)
 
 
 def _flatten(data: list[Any], types: set[type]) -> tuple[list[Any], set[type]]:
@@ -253,6 +133,32 @@ def _reshape(array: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray
         ) from None
 
 
+def _narrow_floats(name: str, datatype: str, flat: list[Any], limit: float) -> np.ndarray:
+    """FP16/FP32 from JSON numbers, refusing values that would round to infinity."""
+    dtype = NUMPY_DTYPES[datatype]
+    if len(flat) <= _SMALL:
+        overflow = max(flat) >= limit or min(flat) <= -limit
+        array = None
+    else:
+        wide = np.array(flat, dtype=np.float64)  # JSON numbers always fit in float64
+        overflow = bool(np.abs(wide).max() >= limit)
+        array = None if overflow else wide.astype(dtype)
+    if overflow:
+        index, value = next((i, v) for i, v in enumerate(flat) if abs(v) >= limit)
+        raise InvalidInputError(
+            f"input {name!r}: element {index} ({show(value)}) is out of range for {datatype} "
+            f"(largest finite magnitude {_FLOAT_MAX[datatype]:g})"
+        )
+    return np.array(flat, dtype=dtype) if array is None else array
+
+
+def _not_a_list(name: str, data: Any) -> InvalidInputError:
+    hint = f" (wrap it in a list: [{show(data)}])" if type(data) is str else ""
+    return InvalidInputError(
+        f"input {name!r}: 'data' must be a JSON array, got {json_type(data)} {show(data)}{hint}"
+    )
+
+
 def array_from_json(spec: TensorSpec, name: str, shape: tuple[int, ...], data: Any) -> np.ndarray:
     """Build an input array from JSON ``data`` (already parsed by orjson).
 
@@ -271,10 +177,7 @@ def array_from_json(spec: TensorSpec, name: str, shape: tuple[int, ...], data: A
             shape's, or an element has the wrong JSON type or is out of range.
     """
     if type(data) is not list:
-        hint = f" (wrap it in a list: [{show(data)}])" if type(data) is str else ""
-        raise InvalidInputError(
-            f"input {name!r}: 'data' must be a JSON array, got {json_type(data)} {show(data)}{hint}"
-        )
+        raise _not_a_list(name, data)
     types = set(map(type, data))
     flat = data
     if list in types:
@@ -309,16 +212,9 @@ def array_from_json(spec: TensorSpec, name: str, shape: tuple[int, ...], data: A
     else:
         if not types <= _REAL:
             _bad_element(name, datatype, flat, _REAL)
-        limit = _FLOAT_MAX.get(datatype)
+        limit = _FLOAT_OVERFLOW.get(datatype)
         if limit is not None and count:
-            with np.errstate(over="ignore"):
-                array = np.array(flat, dtype=dtype)
-            if not np.isfinite(array).all():
-                index = int(np.flatnonzero(~np.isfinite(array))[0])
-                raise InvalidInputError(
-                    f"input {name!r}: element {index} ({show(flat[index])}) is out of range "
-                    f"for {datatype} (largest magnitude {limit:g})"
-                )
+            array = _narrow_floats(name, datatype, flat, limit)
         else:
             array = np.array(flat, dtype=dtype)
     try:
@@ -393,6 +289,8 @@ def build_input(
     Raises:
         InvalidInputError: any check fails; the message names the input.
     """
+    if json_data is not None and type(json_data) is not list:
+        raise _not_a_list(name, json_data)  # a structural error: report it first
     check_datatype(spec, name, datatype)
     dims = check_shape(spec, name, shape, config.max_batch_size)
     if raw is not None:
@@ -400,40 +298,3 @@ def build_input(
     if json_data is None:
         raise InvalidInputError(f"input {name!r}: no data (JSON 'data' or binary) was given")
     return array_from_json(spec, name, dims, json_data)
-
-
-def validate_request_shapes(shapes: Mapping[str, Sequence[int]], config: ModelConfig) -> int | None:
-    """Cross-input checks once every input is built.
-
-    Args:
-        shapes: Input name -> validated shape, for the inputs the request carries; every
-            name must be a declared input (the codecs refuse unknown names first).
-        config: The model's configuration.
-
-    Returns:
-        The request's batch size (rows) when the model batches, else None.
-
-    Raises:
-        InvalidInputError: a required input is missing, or inputs disagree on the batch
-            dimension.
-    """
-    if len(shapes) != len(config.inputs):
-        missing = [s.name for s in config.inputs if not s.optional and s.name not in shapes]
-        if missing:
-            raise InvalidInputError(
-                f"missing required input(s) {', '.join(map(repr, missing))}; the model's "
-                f"inputs are {', '.join(repr(s.name) for s in config.inputs)}"
-            )
-    if config.max_batch_size <= 0:
-        return None
-    batch = None
-    for shape in shapes.values():
-        if batch is None:
-            batch = shape[0]
-        elif shape[0] != batch:
-            listing = ", ".join(f"{name!r} has {dims[0]}" for name, dims in shapes.items())
-            raise InvalidInputError(
-                f"inputs disagree on the batch dimension ({listing}); every input of one "
-                f"request must have the same batch size"
-            )
-    return batch

@@ -37,6 +37,8 @@ def instance_devices(config: ModelConfig, gpu_count: int | None = None) -> list[
         ids = group.gpus or list(range(gpus_visible))
         for gpu in ids:
             if gpu >= gpus_visible:
-                raise ValueError(f"instance_group gpus: {gpu} does not exist ({gpus_visible} visible)")
+                raise ValueError(
+                    f"instance_group gpus: {gpu} does not exist ({gpus_visible} visible)"
+                )
             devices.extend([f"cuda:{gpu}"] * group.count)
     return devices

@@ -136,8 +136,11 @@ class ModelManager:
         mv.state = VersionState.READY
         logger.info(
             "model %s version %d ready: %d instance(s) on %s, loaded in %.2f s",
-            mv.model, mv.version, len(instances),
-            ", ".join(i.context.device for i in instances), loop.time() - started,
+            mv.model,
+            mv.version,
+            len(instances),
+            ", ".join(i.context.device for i in instances),
+            loop.time() - started,
         )
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:
@@ -200,8 +203,10 @@ class ModelManager:
     def model_status(self, model: Model) -> str:
         if model.error:
             return model.error
-        states = [f"version {v} {mv.state.value}" + (f" ({mv.reason})" if mv.reason else "")
-                  for v, mv in sorted(model.versions.items())]
+        states = [
+            f"version {v} {mv.state.value}" + (f" ({mv.reason})" if mv.reason else "")
+            for v, mv in sorted(model.versions.items())
+        ]
         return "; ".join(states) or "no version loaded"
 
     def is_ready(self) -> bool:
@@ -215,9 +220,21 @@ class ModelManager:
         rows: list[dict[str, str]] = []
         for name, model in sorted(self.models.items()):
             if model.error or not model.versions:
-                rows.append({"name": name, "version": "", "state": "UNAVAILABLE",
-                             "reason": model.error or "no version selected"})
+                rows.append(
+                    {
+                        "name": name,
+                        "version": "",
+                        "state": "UNAVAILABLE",
+                        "reason": model.error or "no version selected",
+                    }
+                )
             for version, mv in sorted(model.versions.items()):
-                rows.append({"name": name, "version": str(version), "state": mv.state.value,
-                             "reason": mv.reason})
+                rows.append(
+                    {
+                        "name": name,
+                        "version": str(version),
+                        "state": mv.state.value,
+                        "reason": mv.reason,
+                    }
+                )
         return rows

@@ -41,8 +41,9 @@ class _Uvicorn(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self._on_signal)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -98,8 +99,9 @@ class GpuServer:
             self.loaded.set()
 
     async def _shutdown(self) -> None:
-        logger.info("shutting down: draining model queues (up to %.0f s)",
-                    self.config.shutdown_timeout_s)
+        logger.info(
+            "shutting down: draining model queues (up to %.0f s)", self.config.shutdown_timeout_s
+        )
         if self._load_task is not None and not self._load_task.done():
             await self._load_task
         await self.manager.close(self.config.shutdown_timeout_s)

@@ -108,9 +108,7 @@ class HttpApp:
         try:
             if method == "POST" and path.endswith("/infer"):
                 body = await self._read_body(scope, receive)
-                status, payload, content_type, extra_headers = await self._infer(
-                    scope, path, body
-                )
+                status, payload, content_type, extra_headers = await self._infer(scope, path, body)
             else:
                 if method == "POST":
                     await self._read_body(scope, receive)
@@ -137,15 +135,22 @@ class HttpApp:
         await send({"type": "http.response.body", "body": payload})
         if access_logger.isEnabledFor(logging.DEBUG):
             access_logger.debug(
-                "%s %s %d %d bytes %.2f ms", method, path, status, len(payload),
+                "%s %s %d %d bytes %.2f ms",
+                method,
+                path,
+                status,
+                len(payload),
                 (time.monotonic() - started) * 1000,
             )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
-                raise HttpError(413, f"request body of {int(value)} bytes exceeds the limit "
-                                     f"of {self.max_body} bytes (max_request_body_bytes)")
+                raise HttpError(
+                    413,
+                    f"request body of {int(value)} bytes exceeds the limit "
+                    f"of {self.max_body} bytes (max_request_body_bytes)",
+                )
         message = await receive()
         body = message.get("body", b"")
         if not message.get("more_body", False):
@@ -159,8 +164,11 @@ class HttpApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body:
-                raise HttpError(413, f"request body exceeds the limit of {self.max_body} bytes "
-                                     "(max_request_body_bytes)")
+                raise HttpError(
+                    413,
+                    f"request body exceeds the limit of {self.max_body} bytes "
+                    "(max_request_body_bytes)",
+                )
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -196,7 +204,9 @@ class HttpApp:
             (b"x-compute-time-us", str(int(timing.compute_s * 1e6)).encode()),
         ]
         if encoded.header_length is not None:
-            headers.append((b"inference-header-content-length", str(encoded.header_length).encode()))
+            headers.append(
+                (b"inference-header-content-length", str(encoded.header_length).encode())
+            )
         return 200, encoded.body, encoded.content_type.encode(), headers
 
     def _route(self, method: str, path: str) -> tuple[int, bytes]:
@@ -226,8 +236,9 @@ class HttpApp:
         elif method == "POST" and path == "/v2/repository/index":
             return 200, orjson.dumps(self.manager.index())
         if path.startswith("/v2"):
-            raise HttpError(404 if method in ("GET", "POST") else 405,
-                            f"no endpoint {method} {path}")
+            raise HttpError(
+                404 if method in ("GET", "POST") else 405, f"no endpoint {method} {path}"
+            )
         raise HttpError(404, f"no endpoint {method} {path}")
 
     # -- endpoint bodies -------------------------------------------------------------------

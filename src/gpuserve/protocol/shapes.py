@@ -1,0 +1,198 @@
+"""Checks of a client's datatype and shape against a model's declared input.
+
+Shared by the HTTP and gRPC codecs. Element counts are Python integers, so they cannot
+overflow. Policy: when the model batches, a batch dimension of 0 is refused; any other
+dimension declared ``-1`` may be 0 (an empty tensor such as ``[1, 0]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gpuserve.datatypes import DATATYPES, NUMPY_DTYPES
+from gpuserve.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from gpuserve.config import ModelConfig, TensorSpec
+
+_MAX_DIM = 2**63 - 1  # numpy dimensions are signed 64-bit
+_JSON_TYPE_NAMES = {
+    dict: "object",
+    list: "array",
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (``object``, ``array``, ``string``, ...)."""
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A value as JSON text for a message, cut to ``limit`` characters."""
+    try:
+        text = orjson.dumps(value).decode()
+    except TypeError:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_shape(shape: Sequence[Any]) -> str:
+    """``[1, 16]``; non-integers shown as JSON (``[1, 16.0]``, ``["1", 16]``)."""
+    return "[" + ", ".join(show(d, 30) for d in shape) + "]"
+
+
+def declared_shape(spec: TensorSpec, max_batch_size: int) -> str:
+    """The full shape a request must send, with ``-1`` for free dimensions."""
+    dims = [-1, *spec.shape] if max_batch_size > 0 else list(spec.shape)
+    return format_shape(dims)
+
+
+def element_count(shape: Sequence[int]) -> int:
+    """Number of elements of ``shape`` (exact, Python integers: no overflow)."""
+    return math.prod(shape)
+
+
+def check_datatype(spec: TensorSpec, name: str, datatype: Any) -> None:
+    """Require the request's datatype to equal the declared one exactly.
+
+    Raises:
+        InvalidInputError: missing, not a V2 datatype, BF16, or a different datatype.
+    """
+    if datatype == spec.datatype:
+        return
+    if datatype is None:
+        raise InvalidInputError(f"input {name!r}: 'datatype' is missing")
+    if type(datatype) is not str:
+        raise InvalidInputError(
+            f"input {name!r}: 'datatype' must be a string such as {spec.datatype!r}, "
+            f"got {json_type(datatype)} {show(datatype)}"
+        )
+    if datatype == "BF16":
+        raise InvalidInputError(
+            f"input {name!r}: datatype BF16 is not supported (no numpy equivalent); "
+            f"the model expects {spec.datatype}"
+        )
+    if datatype not in DATATYPES:
+        raise InvalidInputError(
+            f"input {name!r}: datatype {show(datatype)} is not a KServe V2 datatype "
+            f"(one of {', '.join(NUMPY_DTYPES)}); the model expects {spec.datatype}"
+        )
+    raise InvalidInputError(
+        f"input {name!r}: datatype {datatype} does not match the model's {spec.datatype}"
+    )
+
+
+def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) -> tuple[int, ...]:
+    """Validate a client-sent shape against the declared one.
+
+    Args:
+        spec: The declared input (shape without the batch dimension, ``-1`` = any).
+        name: Input name, for messages.
+        shape: As received: must be a list (or tuple) of non-negative integers.
+        max_batch_size: The model's; when > 0 the shape is ``[batch] + dims`` with
+            ``1 <= batch <= max_batch_size``.
+
+    Returns:
+        The shape as a tuple of ints.
+
+    Raises:
+        InvalidInputError: the message names the input, the shape received and the
+            declared shape.
+    """
+    if type(shape) is not list and type(shape) is not tuple:
+        if shape is None:
+            raise InvalidInputError(f"input {name!r}: 'shape' is missing")
+        raise InvalidInputError(
+            f"input {name!r}: 'shape' must be an array of integers, got "
+            f"{json_type(shape)} {show(shape)}"
+        )
+    for dim in shape:
+        if type(dim) is not int:
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)} must hold only integers; "
+                f"{show(dim)} is a {json_type(dim)}"
+            )
+        if dim < 0:
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)} has a negative dimension; "
+                f"shapes sent by a client must be concrete non-negative integers"
+            )
+        if dim > _MAX_DIM:
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)} has a dimension above 2^63-1"
+            )
+    dims = spec.shape
+    batched = max_batch_size > 0
+    if len(shape) != len(dims) + batched:
+        batch_note = f" (the first dimension is the batch, 1..{max_batch_size})" if batched else ""
+        raise InvalidInputError(
+            f"input {name!r}: shape {format_shape(shape)} has {len(shape)} dimensions but "
+            f"the model expects {len(dims) + batched}: "
+            f"{declared_shape(spec, max_batch_size)}{batch_note}"
+        )
+    if batched:
+        batch = shape[0]
+        if batch == 0:
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)}: batch dimension 0 is not "
+                f"allowed (must be 1..max_batch_size, here 1..{max_batch_size})"
+            )
+        if batch > max_batch_size:
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)}: batch dimension {batch} "
+                f"exceeds max_batch_size {max_batch_size}"
+            )
+    for index, want in enumerate(dims, start=batched):
+        if want != -1 and shape[index] != want:
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)} does not match the model's "
+                f"{declared_shape(spec, max_batch_size)}: dimension {index} is "
+                f"{shape[index]}, expected {want}"
+            )
+    return tuple(shape)
+
+
+def validate_request_shapes(shapes: Mapping[str, Sequence[int]], config: ModelConfig) -> int | None:
+    """Cross-input checks once every input is built.
+
+    Args:
+        shapes: Input name -> validated shape, for the inputs the request carries; every
+            name must be a declared input (the codecs refuse unknown names first).
+        config: The model's configuration.
+
+    Returns:
+        The request's batch size (rows) when the model batches, else None.
+
+    Raises:
+        InvalidInputError: a required input is missing, or inputs disagree on the batch
+            dimension.
+    """
+    if len(shapes) != len(config.inputs):
+        missing = [s.name for s in config.inputs if not s.optional and s.name not in shapes]
+        if missing:
+            raise InvalidInputError(
+                f"missing required input(s) {', '.join(map(repr, missing))}; the model's "
+                f"inputs are {', '.join(repr(s.name) for s in config.inputs)}"
+            )
+    if config.max_batch_size <= 0:
+        return None
+    batch = None
+    for shape in shapes.values():
+        if batch is None:
+            batch = shape[0]
+        elif shape[0] != batch:
+            listing = ", ".join(f"{name!r} has {dims[0]}" for name, dims in shapes.items())
+            raise InvalidInputError(
+                f"inputs disagree on the batch dimension ({listing}); every input of one "
+                f"request must have the same batch size"
+            )
+    return batch
