@@ -142,8 +142,19 @@ class VersionPolicy(_Strict):
 
 
 class OptimizationConfig(_Strict):
-    """Execution options (see the GPU execution engine): applied where the backend can."""
+    """Execution options (see the GPU execution engine): applied where the backend can.
 
+    Attributes:
+        pipeline_depth: Batches in flight per instance; above 1 the preprocess, forward and
+            postprocess stages run on their own threads and overlap. 0 = auto: 3 on a GPU
+            (CPU stages overlap device work), 1 on a CPU (the stages would compete for the
+            same cores, and smaller batches would form).
+        cuda_graphs: Capture a CUDA graph per batch-size bucket and replay it.
+        compile: Run the module through ``torch.compile`` with ``compile_mode``.
+        channels_last: Use the channels-last memory format for 4-D inputs and weights.
+    """
+
+    pipeline_depth: int = Field(default=0, ge=0, le=8)
     cuda_graphs: bool = False
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"

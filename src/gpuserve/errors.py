@@ -73,6 +73,13 @@ class BackendError(GpuserveError):
     reason = "backend_error"
 
 
+class OutOfMemoryError(GpuserveError):
+    """The device ran out of memory for this request even after the batch was split; the
+    allocator cache was freed and a retry may succeed (HTTP 503, gRPC RESOURCE_EXHAUSTED)."""
+
+    reason = "out_of_memory"
+
+
 class UnavailableError(GpuserveError):
     """The server is shutting down or otherwise cannot take the request (HTTP 503)."""
 

@@ -1,14 +1,22 @@
-"""An instance: one copy of a model on one device, with its own execution thread.
+"""An instance: one copy of a model on one device, and the threads that run its batches.
 
-The instance thread loads the backend (so device state such as a CUDA context belongs to the
-thread that uses it), then runs batches handed to it by the scheduler: stack the requests'
-inputs, ``preprocess`` -> ``forward`` -> ``postprocess``, check the outputs against the batch and
-split them back into per-request results. Results go back through ``on_done``, called on the
-instance thread; the scheduler hops them onto its event loop.
+Each batch passes three stages: stack the requests' inputs and ``preprocess`` (CPU),
+``forward`` (device), ``postprocess`` and split the rows back to their requests (CPU).
 
-Failure policy: when a batch of several requests raises, each request is run again on its own,
-so only the request that causes the failure gets an error (BC-14). A batch whose outputs do not
-have one row per input row fails every request in it with a message that says so (BC-09).
+* ``pipeline_depth == 1``: one thread runs the stages one after another.
+* ``pipeline_depth > 1``: each stage has its own thread, joined by queues, and up to
+  ``pipeline_depth`` batches are in flight, so preprocessing of batch N+1 and postprocessing of
+  batch N-1 overlap the forward pass of batch N. A model whose stages take p, f and q seconds
+  then runs at about 1 / max(p, f, q) batches per second instead of 1 / (p + f + q).
+
+The thread that runs ``forward`` also loads the backend, so device state such as a CUDA
+context belongs to the thread that uses it. Results go back through ``on_done``, called on the
+postprocess thread; the scheduler hops them onto its event loop.
+
+An instance never decides what to do about a failed batch: it reports the error, already turned
+into a :class:`~gpuserve.errors.GpuserveError` (CUDA out-of-memory becomes
+:class:`~gpuserve.errors.OutOfMemoryError` after the allocator cache is freed), and whether
+splitting the batch could help. The scheduler retries halves (see ``scheduler.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +35,7 @@ from gpuserve.backends.base import Backend, LoadContext, RowErrors
 from gpuserve.config import ModelConfig
 from gpuserve.engine.batcher import Batch
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.errors import BackendError, GpuserveError
+from gpuserve.errors import BackendError, GpuserveError, OutOfMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -39,31 +48,41 @@ class BatchResult:
 
     Attributes:
         batch: The batch that ran.
-        results: Per item of ``batch.items``: its outputs or the error it gets.
-        started_s / finished_s: Monotonic seconds around the execution.
-        preprocess_s / forward_s / postprocess_s: Stage durations of the (first) attempt.
-        executions: Model executions used (more than 1 when a failed batch was split).
+        results: Per item of ``batch.items``: its outputs or its own error; empty when the whole
+            batch failed (see ``error``).
+        error: Set when the batch as a whole failed.
+        retryable: Whether running smaller parts of the batch could succeed (False for a model
+            that returns the wrong number of rows: that is the model's bug on any batch).
+        started_s / finished_s: Monotonic seconds, first stage start and last stage end.
+        preprocess_s / forward_s / postprocess_s: Stage durations, seconds.
     """
 
     batch: Batch
-    results: list[Outputs | GpuserveError]
-    started_s: float
-    finished_s: float
+    results: list[Outputs | GpuserveError] = field(default_factory=list)
+    error: GpuserveError | None = None
+    retryable: bool = True
+    started_s: float = 0.0
+    finished_s: float = 0.0
     preprocess_s: float = 0.0
     forward_s: float = 0.0
     postprocess_s: float = 0.0
-    executions: int = 1
-    batch_sizes: list[int] = field(default_factory=list)
+    prepared: Any = None
+    raw: Any = None
+
+
+class _OutputMismatch(BackendError):
+    """Outputs do not fit the batch: not cured by splitting."""
 
 
 class Instance:
-    """One model copy and its execution thread.
+    """One model copy and its stage threads.
 
     Args:
         name: For logs and thread names, e.g. ``text_embedding:1#0``.
         backend: The backend object (not yet loaded).
         context: What the backend is told at load.
-        on_done: Called on the instance thread with each :class:`BatchResult`.
+        on_done: Called with each :class:`BatchResult` (on an instance thread).
+        pipeline_depth: Most batches in flight; >1 runs the stages on separate threads.
     """
 
     def __init__(
@@ -72,122 +91,168 @@ class Instance:
         backend: Backend,
         context: LoadContext,
         on_done: Callable[[BatchResult], None],
+        pipeline_depth: int = 1,
     ) -> None:
         self.name = name
         self.backend = backend
         self.context = context
         self.config: ModelConfig = context.config
         self.on_done = on_done
+        self.capacity = max(1, pipeline_depth)
         self.in_flight = 0  # batches submitted and not yet reported; owned by the scheduler
-        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._loaded = threading.Event()
-        self._load_error: BaseException | None = None
         self._batched = self.config.max_batch_size > 0
         self._output_names = [o.name for o in self.config.outputs]
+        self._first: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self, timeout_s: float | None = None) -> None:
-        """Start the thread, load and warm up the backend; block until done.
+        """Start the threads, load and warm up the backend; block until done.
 
         Raises:
             BaseException: whatever the backend's load or warmup raised.
         """
-        self._thread = threading.Thread(
-            target=self._main, name=f"gpuserve-{self.name}", daemon=True
-        )
-        self._thread.start()
+        if self.capacity == 1:
+            self._spawn("run", self._serial_loop)
+        else:
+            forward_q: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
+            post_q: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
+            self._spawn("pre", lambda: self._stage_loop(self._first, self._preprocess, forward_q))
+            self._spawn("fwd", lambda: self._forward_loop(forward_q, post_q))
+            self._spawn("post", lambda: self._stage_loop(post_q, self._postprocess, None))
         self._loaded.wait(timeout_s)
         if self._load_error is not None:
+            self.stop()
             raise self._load_error
+
+    def _spawn(self, stage: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=f"gpuserve-{self.name}-{stage}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def submit(self, batch: Batch) -> None:
         """Queue ``batch`` for execution (non-blocking)."""
-        self._queue.put(batch)
+        self._first.put(BatchResult(batch))
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish queued batches, unload the backend and end the thread."""
-        if self._thread is None:
-            return
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        """Finish queued batches, unload the backend and end the threads."""
+        self._first.put(None)
+        for thread in self._threads:
+            thread.join(timeout_s)
 
-    def _main(self) -> None:
+    def _load(self) -> bool:
         try:
             self.backend.load(self.context)
             self.backend.warmup()
         except BaseException as err:  # reported to start(), which re-raises
             self._load_error = err
+            return False
+        finally:
             self._loaded.set()
-            return
-        self._loaded.set()
-        while True:
-            batch = self._queue.get()
-            if batch is None:
-                break
-            result = self.run(batch)
-            try:
-                self.on_done(result)
-            except Exception:  # the scheduler's callback must not kill the thread
-                logger.exception("instance %s: result callback failed", self.name)
+        return True
+
+    def _unload(self) -> None:
         try:
             self.backend.unload()
         except Exception:
             logger.exception("instance %s: unload failed", self.name)
 
-    # -- execution -------------------------------------------------------------------------
+    def _serial_loop(self) -> None:
+        if not self._load():
+            return
+        while (job := self._first.get()) is not None:
+            self._preprocess(job)
+            self._forward(job)
+            self._postprocess(job)
+        self._unload()
 
-    def run(self, batch: Batch) -> BatchResult:
-        """Execute ``batch`` on this thread and return per-request results (never raises)."""
-        started = time.monotonic()
-        requests = [item.request for item in batch.items]
-        result = BatchResult(batch, [], started, started, batch_sizes=[batch.rows])
+    def _stage_loop(
+        self,
+        inbox: queue.SimpleQueue[BatchResult | None],
+        stage: Callable[[BatchResult], None],
+        outbox: queue.SimpleQueue[BatchResult | None] | None,
+    ) -> None:
+        while (job := inbox.get()) is not None:
+            stage(job)
+            if outbox is not None:
+                outbox.put(job)
+        if outbox is not None:
+            outbox.put(None)
+
+    def _forward_loop(
+        self,
+        inbox: queue.SimpleQueue[BatchResult | None],
+        outbox: queue.SimpleQueue[BatchResult | None],
+    ) -> None:
+        loaded = self._load()
+        while (job := inbox.get()) is not None:
+            if not loaded:
+                continue
+            self._forward(job)
+            outbox.put(job)
+        outbox.put(None)
+        if loaded:
+            self._unload()
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def _preprocess(self, job: BatchResult) -> None:
+        job.started_s = t0 = time.monotonic()
         try:
-            outputs, times = self._execute(requests, batch.rows)
-            result.preprocess_s, result.forward_s, result.postprocess_s = times
-            result.results = self._split(requests, outputs)
-        except Exception as err:
-            if len(requests) > 1:
-                logger.warning(
-                    "instance %s: batch of %d requests failed (%s); running them one by one",
-                    self.name,
-                    len(requests),
-                    _describe(err),
-                )
-                result.results = []
-                for item in batch.items:
-                    result.executions += 1
-                    result.batch_sizes.append(item.rows)
-                    try:
-                        outputs, _ = self._execute([item.request], item.rows)
-                        result.results.extend(self._split([item.request], outputs))
-                    except Exception as single_err:
-                        result.results.append(self._to_error(single_err))
-            else:
-                result.results = [self._to_error(err)]
-        result.finished_s = time.monotonic()
-        return result
+            inputs = self._stack([item.request for item in job.batch.items])
+            job.prepared = self.backend.preprocess(inputs)
+        except BaseException as err:
+            self._fail(job, err)
+        job.preprocess_s = time.monotonic() - t0
 
-    def _to_error(self, err: Exception) -> GpuserveError:
+    def _forward(self, job: BatchResult) -> None:
+        if job.error is not None:
+            return
+        t0 = time.monotonic()
+        try:
+            job.raw = self.backend.forward(job.prepared)
+        except BaseException as err:
+            self._fail(job, err)
+        job.prepared = None
+        job.forward_s = time.monotonic() - t0
+
+    def _postprocess(self, job: BatchResult) -> None:
+        t0 = time.monotonic()
+        if job.error is None:
+            try:
+                outputs = self.backend.postprocess(job.raw)
+                self._check_outputs(outputs, job.batch.rows)
+                job.results = self._split([item.request for item in job.batch.items], outputs)
+            except BaseException as err:
+                self._fail(job, err)
+        job.raw = None
+        job.postprocess_s = time.monotonic() - t0
+        job.finished_s = time.monotonic()
+        try:
+            self.on_done(job)
+        except Exception:  # the scheduler's callback must not kill the thread
+            logger.exception("instance %s: result callback failed", self.name)
+
+    def _fail(self, job: BatchResult, err: BaseException) -> None:
+        job.retryable = not isinstance(err, _OutputMismatch)
+        job.error = self._to_error(err)
+
+    def _to_error(self, err: BaseException) -> GpuserveError:
         if isinstance(err, GpuserveError):
             return err
+        if _is_out_of_memory(err):
+            _free_device_cache()
+            return OutOfMemoryError(
+                f"model '{self.config.name}' ran out of memory on {self.context.device}: "
+                f"{_describe(err)}"
+            )
         logger.error("instance %s: model raised %s", self.name, _describe(err))
         return BackendError(f"model '{self.config.name}' failed: {_describe(err)}")
 
-    def _execute(
-        self, requests: list[InferenceRequest], rows: int
-    ) -> tuple[Outputs, tuple[float, float, float]]:
-        inputs = self._stack(requests)
-        t0 = time.monotonic()
-        prepared = self.backend.preprocess(inputs)
-        t1 = time.monotonic()
-        raw = self.backend.forward(prepared)
-        t2 = time.monotonic()
-        outputs = self.backend.postprocess(raw)
-        t3 = time.monotonic()
-        self._check_outputs(outputs, rows)
-        return outputs, (t1 - t0, t2 - t1, t3 - t2)
+    # -- batch assembly --------------------------------------------------------------------
 
     def _stack(self, requests: list[InferenceRequest]) -> dict[str, np.ndarray]:
         first = requests[0].inputs
@@ -198,7 +263,7 @@ class Instance:
     def _check_outputs(self, outputs: Outputs, rows: int) -> None:
         missing = [name for name in self._output_names if name not in outputs]
         if missing:
-            raise BackendError(
+            raise _OutputMismatch(
                 f"model '{self.config.name}' did not return output(s) {missing}; "
                 f"it returned {sorted(outputs)}"
             )
@@ -209,7 +274,7 @@ class Instance:
             got = array.shape[0] if array.ndim else None
             if got != rows:
                 got_text = "a scalar" if got is None else f"{got} rows"
-                raise BackendError(
+                raise _OutputMismatch(
                     f"model '{self.config.name}' returned {got_text} in output '{name}' "
                     f"for a batch of {rows} rows"
                 )
@@ -222,8 +287,7 @@ class Instance:
         offset = 0
         for request in requests:
             names = request.requested_outputs or self._output_names
-            rows = _rows(request, self._batched)
-            end = offset + rows
+            end = offset + _rows(request, self._batched)
             if row_errors:
                 failed = [row for row in range(offset, end) if row in row_errors]
                 if failed:
@@ -245,10 +309,36 @@ class Instance:
         )
 
 
+def resolve_pipeline_depth(config: ModelConfig, device: str) -> int:
+    """Batches in flight for an instance on ``device`` (``optimization.pipeline_depth``,
+    0 = 3 on CUDA devices, 1 elsewhere)."""
+    depth = config.optimization.pipeline_depth
+    if depth:
+        return depth
+    return 3 if device.startswith("cuda") else 1
+
+
 def _rows(request: InferenceRequest, batched: bool) -> int:
     if not batched:
         return 1
     return next(iter(request.inputs.values())).shape[0]
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    if isinstance(err, MemoryError):
+        return True
+    name = type(err).__name__
+    return name == "OutOfMemoryError" or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    )
+
+
+def _free_device_cache() -> None:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _describe(err: BaseException) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,7 @@ class ModelScheduler:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closing = False
+        self._retry: deque[Batch] = deque()  # halves of failed batches, run before new work
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -141,11 +143,19 @@ class ModelScheduler:
     # -- the loop --------------------------------------------------------------------------
 
     def _free_instance(self) -> Instance | None:
+        """The least-busy instance with room for another batch, or None."""
         best: Instance | None = None
         for instance in self.instances:
-            if instance.in_flight == 0 and (best is None):
+            if instance.in_flight < instance.capacity and (
+                best is None or instance.in_flight < best.in_flight
+            ):
                 best = instance
         return best
+
+    def _dispatch(self, instance: Instance, batch: Batch) -> None:
+        instance.in_flight += 1
+        batch.extra["instance"] = instance
+        instance.submit(batch)
 
     def _pump(self) -> None:
         now = self.clock()
@@ -159,6 +169,11 @@ class ModelScheduler:
                 ),
                 now,
             )
+        while self._retry:
+            instance = self._free_instance()
+            if instance is None:
+                break
+            self._dispatch(instance, self._retry.popleft())
         while len(self.batcher):
             instance = self._free_instance()
             if instance is None:
@@ -166,9 +181,7 @@ class ModelScheduler:
             batch = self.batcher.next_batch(now)
             if batch is None:
                 break
-            instance.in_flight += 1
-            batch.extra["instance"] = instance
-            instance.submit(batch)
+            self._dispatch(instance, batch)
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -197,7 +210,6 @@ class ModelScheduler:
         batch: Batch = result.batch
         instance: Instance = batch.extra["instance"]
         instance.in_flight -= 1
-        ok = all(not isinstance(r, GpuserveError) for r in result.results)
         self.stats.record_batch(
             BatchStats(
                 self.name,
@@ -207,33 +219,69 @@ class ModelScheduler:
                 result.preprocess_s,
                 result.forward_s,
                 result.postprocess_s,
-                ok,
+                result.error is None,
             )
         )
-        self.stats.execution_count += result.executions - 1
-        compute_s = result.finished_s - result.started_s
-        end = self.clock()
-        for item, outcome in zip(batch.items, result.results, strict=True):
-            future: asyncio.Future[InferenceResponse] = item.token
-            queue_s = result.started_s - item.arrival_s
-            total_s = end - item.arrival_s
-            if isinstance(outcome, GpuserveError):
-                self._record(item, queue_s, compute_s, total_s, outcome.reason)
-                if not future.done():
-                    future.set_exception(outcome)
-                continue
-            self._record(item, queue_s, compute_s, total_s, None)
-            if not future.done():
-                future.set_result(
-                    InferenceResponse(
-                        self.name,
-                        self.version,
-                        item.request.id,
-                        outcome,
-                        RequestTiming(queue_s, compute_s, total_s),
-                    )
-                )
+        if result.error is not None:
+            self._batch_failed(batch, result.error, result.retryable, result.started_s)
+        else:
+            compute_s = result.finished_s - result.started_s
+            end = self.clock()
+            for item, outcome in zip(batch.items, result.results, strict=True):
+                queue_s = result.started_s - item.arrival_s
+                self._resolve(item, outcome, queue_s, compute_s, end - item.arrival_s)
         self._pump()
+
+    def _batch_failed(
+        self, batch: Batch, error: GpuserveError, retryable: bool, started_s: float
+    ) -> None:
+        """Split a failed batch of several requests in halves and run them again (ahead of new
+        work), so that only the request that causes the failure fails, and a batch that ran out
+        of device memory still gets results; otherwise fail every member with ``error``."""
+        items = batch.items
+        if retryable and len(items) > 1:
+            logger.warning(
+                "model %s version %s: batch of %d requests (%d rows) failed (%s); "
+                "retrying it in halves",
+                self.name,
+                self.version,
+                len(items),
+                batch.rows,
+                error.message,
+            )
+            middle = len(items) // 2
+            for part in (items[:middle], items[middle:]):
+                self._retry.append(Batch(part, sum(i.rows for i in part), self.clock()))
+            return
+        end = self.clock()
+        for item in items:
+            self._resolve(item, error, started_s - item.arrival_s, 0.0, end - item.arrival_s)
+
+    def _resolve(
+        self,
+        item: Pending,
+        outcome: dict[str, Any] | GpuserveError,
+        queue_s: float,
+        compute_s: float,
+        total_s: float,
+    ) -> None:
+        future: asyncio.Future[InferenceResponse] = item.token
+        if isinstance(outcome, GpuserveError):
+            self._record(item, queue_s, compute_s, total_s, outcome.reason)
+            if not future.done():
+                future.set_exception(outcome)
+            return
+        self._record(item, queue_s, compute_s, total_s, None)
+        if not future.done():
+            future.set_result(
+                InferenceResponse(
+                    self.name,
+                    self.version,
+                    item.request.id,
+                    outcome,
+                    RequestTiming(queue_s, compute_s, total_s),
+                )
+            )
 
     def _finish_failed(self, item: Pending, error: GpuserveError, now: float) -> None:
         total = self.clock() - item.arrival_s

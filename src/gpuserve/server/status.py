@@ -17,6 +17,7 @@ STATUS: dict[type[errors.GpuserveError], tuple[int, str]] = {
     errors.RequestTimeoutError: (503, "UNAVAILABLE"),
     errors.CancelledRequestError: (499, "CANCELLED"),
     errors.UnavailableError: (503, "UNAVAILABLE"),
+    errors.OutOfMemoryError: (503, "RESOURCE_EXHAUSTED"),
     errors.BackendError: (500, "INTERNAL"),
     errors.ConfigError: (400, "INVALID_ARGUMENT"),
 }
