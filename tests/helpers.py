@@ -1,6 +1,6 @@
 """RunningServer: the real gpuserve server on a free port, for integration and e2e tests.
 
-Two flavours with one interface (``url``, ``port``, ``stop()``):
+Two flavours with one interface (``url``, ``port``, ``grpc_url``, ``grpc_port``, ``stop()``):
 
 * :class:`InProcessServer` runs :class:`gpuserve.server.runner.GpuServer` on a thread of the
   test process (fast; lets a test inspect fixture models' module state).
@@ -55,6 +55,8 @@ class InProcessServer:
         from gpuserve.config import ServerConfig
         from gpuserve.server.runner import GpuServer
 
+        settings.setdefault("metrics_port", 0)  # a free port: never collide on 8002
+        settings.setdefault("grpc_port", 0)
         config = ServerConfig(
             model_repository=repository,
             host="127.0.0.1",
@@ -72,6 +74,8 @@ class InProcessServer:
             time.sleep(0.01)
         self.port = self.server.port
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = self.server.grpc_port
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"  # host:port, as tritonclient.grpc wants
         if not self.server.loaded.wait(ready_timeout_s):
             raise TimeoutError("models did not finish loading")
 
@@ -92,6 +96,12 @@ class SubprocessServer:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if "--grpc-port" in args:
+            self.grpc_port = int(args[args.index("--grpc-port") + 1])
+        else:
+            self.grpc_port = free_port()
+            args = ("--grpc-port", str(self.grpc_port), *args)
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
@@ -104,6 +114,8 @@ class SubprocessServer:
                 "127.0.0.1",
                 "--http-port",
                 str(self.port),
+                "--metrics-port",
+                "0",
                 *args,
             ],
             stdout=self.log,

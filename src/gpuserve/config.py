@@ -12,11 +12,19 @@ the value given and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from gpuserve.datatypes import Datatype
 from gpuserve.errors import ConfigError
@@ -55,6 +63,18 @@ class TensorSpec(_Strict):
         return shape
 
 
+class AdaptiveBatchingConfig(_Strict):
+    """Adaptive batching (``dynamic_batching.adaptive``): the batcher sets its own queue delay
+    and batch-size cap from measured batch latency to keep p99 latency near the target.
+
+    Attributes:
+        target_p99_ms: Latency target, milliseconds. ``max_queue_delay_us`` is then only the
+            delay used until the first batch has been measured.
+    """
+
+    target_p99_ms: float = Field(gt=0, le=600_000)
+
+
 class DynamicBatchingConfig(_Strict):
     """How requests are merged into batches (Triton's ``dynamic_batching``).
 
@@ -69,6 +89,7 @@ class DynamicBatchingConfig(_Strict):
             0 means no timeout. A request past it is refused with 503 and never run.
         priority_levels: Number of priority levels; level 1 is served first.
         default_priority_level: Level of a request that names none.
+        adaptive: Adaptive batching settings; None (default) keeps the fixed delay.
     """
 
     max_queue_delay_us: int = Field(default=0, ge=0, le=60_000_000)
@@ -77,6 +98,7 @@ class DynamicBatchingConfig(_Strict):
     default_timeout_us: int = Field(default=0, ge=0)
     priority_levels: int = Field(default=1, ge=1, le=16)
     default_priority_level: int = Field(default=1, ge=1)
+    adaptive: AdaptiveBatchingConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> DynamicBatchingConfig:
@@ -141,6 +163,20 @@ class VersionPolicy(_Strict):
         return ordered[-n:]
 
 
+class CanaryConfig(_Strict):
+    """A version that takes a share of the requests that name no version.
+
+    Attributes:
+        version: The canary version (loaded in addition to what ``version_policy`` selects).
+        weight: Share of unversioned requests it gets, 0..1 (0.1 = 10%); the rest go to the
+            default version. A request with an ``id`` always goes the same way (hash of the
+            id); one without goes at random.
+    """
+
+    version: int = Field(ge=1)
+    weight: float = Field(ge=0.0, le=1.0)
+
+
 class OptimizationConfig(_Strict):
     """Execution options (see the GPU execution engine): applied where the backend can.
 
@@ -150,7 +186,8 @@ class OptimizationConfig(_Strict):
             (CPU stages overlap device work), 1 on a CPU (the stages would compete for the
             same cores, and smaller batches would form).
         cuda_graphs: Capture a CUDA graph per batch-size bucket and replay it.
-        compile: Run the module through ``torch.compile`` with ``compile_mode``.
+        compile: Run the module through ``torch.compile`` with ``compile_mode`` and
+            ``compile_backend`` (``inductor``; ``aot_eager`` traces without generating code).
         channels_last: Use the channels-last memory format for 4-D inputs and weights.
     """
 
@@ -158,7 +195,12 @@ class OptimizationConfig(_Strict):
     cuda_graphs: bool = False
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
+    compile_backend: str = "inductor"
     channels_last: bool = False
+
+
+OnnxProvider = Literal["tensorrt", "cuda", "cpu"]
+_DEFAULT_PROVIDERS: tuple[OnnxProvider, ...] = ("tensorrt", "cuda", "cpu")
 
 
 class OnnxConfig(_Strict):
@@ -181,8 +223,8 @@ class OnnxConfig(_Strict):
     inter_op_threads: int = Field(default=0, ge=0, le=1024)
     execution_mode: Literal["sequential", "parallel"] = "sequential"
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = "all"
-    execution_providers: list[Literal["tensorrt", "cuda", "cpu"]] = Field(
-        default_factory=lambda: ["tensorrt", "cuda", "cpu"], min_length=1
+    execution_providers: list[OnnxProvider] = Field(
+        default_factory=lambda: list(_DEFAULT_PROVIDERS), min_length=1
     )
 
     @field_validator("execution_providers")
@@ -193,6 +235,35 @@ class OnnxConfig(_Strict):
         return providers
 
 
+class HuggingFaceConfig(_Strict):
+    """A local Hugging Face transformers folder (backend ``huggingface``).
+
+    Attributes:
+        task: ``feature-extraction`` (pooled sentence embeddings, output ``EMBEDDING``) or
+            ``sequence-classification`` (outputs ``LOGITS``, ``PROBABILITIES``, ``LABEL``).
+        model_dir: Folder with ``config.json``, the weights and the tokenizer files; relative
+            paths are relative to the version folder. None: the version folder itself.
+        max_length: Longest tokenised input, tokens. None: ``max_seq_length`` of a
+            sentence-transformers folder, else the tokenizer's ``model_max_length``, capped
+            by the model's ``max_position_embeddings``.
+        truncation: Cut longer inputs to ``max_length``; False refuses them (400, that row
+            alone).
+        padding: ``longest`` (pad a batch to its longest row) or ``max_length``.
+        pooling: Feature extraction: ``mean`` (masked mean), ``cls`` (first token) or
+            ``auto`` (the sentence-transformers ``1_Pooling`` config if present, else mean).
+        normalize: Feature extraction: L2-normalise embeddings. None: as the folder's
+            sentence-transformers ``modules.json`` says (a ``Normalize`` module), else False.
+    """
+
+    task: Literal["feature-extraction", "sequence-classification"] = "feature-extraction"
+    model_dir: str | None = None
+    max_length: int | None = Field(default=None, ge=2, le=1_000_000)
+    truncation: bool = True
+    padding: Literal["longest", "max_length"] = "longest"
+    pooling: Literal["auto", "mean", "cls"] = "auto"
+    normalize: bool | None = None
+
+
 class ModelConfig(_Strict):
     """A model's ``config.yaml``.
 
@@ -200,34 +271,40 @@ class ModelConfig(_Strict):
         name: Model name; defaults to the folder name, and must equal it when given.
         backend: ``python`` (a user class in ``model.py``), ``torch`` (an ``nn.Module`` in
             ``model.py``, a TorchScript ``model.pt`` or a ``torch.export`` program
-            ``model.pt2``) or ``onnx`` (``model.onnx`` on ONNX Runtime).
+            ``model.pt2``), ``onnx`` (``model.onnx`` on ONNX Runtime) or ``huggingface``
+            (a local transformers folder, see ``HuggingFaceConfig``).
         max_batch_size: Most rows in one batch. 0 disables batching: inputs then carry no
             batch dimension and each request runs alone.
         inputs / outputs: Declared tensors, shapes without the batch dimension. May be
             omitted (or empty) where the model file declares them (``onnx``, ``torch`` with
-            ``model.pt2``): the backend then fills them in at load (see
+            ``model.pt2``, ``huggingface``): the backend then fills them in at load (see
             ``Backend.complete_config``).
         dynamic_batching: Batching and queueing policy.
         instance_group: Copies of the model and their devices.
-        precision: Compute precision; clients keep the declared datatypes.
+        precision: Compute precision; clients keep the declared datatypes. ``int8`` is
+            dynamic quantisation of linear layers (torch backend and text_embedding, CPU).
         optimization: Graph capture / compile options.
         version_policy: Which versions are served.
+        canary: Optional canary version and its traffic share (see ``CanaryConfig``).
         parameters: Free-form values handed to the model at load.
         onnx: ONNX Runtime session settings (backend ``onnx`` only).
+        huggingface: Model folder and task (backend ``huggingface`` only).
     """
 
     name: str | None = None
-    backend: Literal["python", "torch", "onnx"] = "python"
+    backend: Literal["python", "torch", "onnx", "huggingface"] = "python"
     max_batch_size: int = Field(default=8, ge=0, le=1_000_000)
     inputs: list[TensorSpec] = Field(default_factory=list)
     outputs: list[TensorSpec] = Field(default_factory=list)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
+    canary: CanaryConfig | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     onnx: OnnxConfig = Field(default_factory=OnnxConfig)
+    huggingface: HuggingFaceConfig = Field(default_factory=HuggingFaceConfig)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -236,8 +313,8 @@ class ModelConfig(_Strict):
             for label in ("inputs", "outputs"):
                 if not getattr(self, label):
                     raise ValueError(
-                        f"backend 'python' needs {label} declared (only 'onnx' and 'torch' "
-                        "with a model.pt2 can fill them in from the model file)"
+                        f"backend 'python' needs {label} declared (only 'onnx', 'huggingface' "
+                        "and 'torch' with a model.pt2 can fill them in from the model files)"
                     )
         for group, label in ((self.inputs, "inputs"), (self.outputs, "outputs")):
             names = [t.name for t in group]
@@ -323,9 +400,29 @@ class ServerConfig(BaseSettings):
         model_repository: Folder of models; defaults to the embedded repository.
         host: Address the HTTP server binds.
         http_port: HTTP port (KServe V2 REST).
+        grpc_port: gRPC port (KServe V2 ``inference.GRPCInferenceService`` and the standard
+            health service); 0 = a free port; -1 = no gRPC listener.
         log_level: ``debug``, ``info``, ``warning`` or ``error``.
+        metrics_port: Port of a separate Prometheus ``/metrics`` listener on ``host``
+            (0 = a free port; negative or None = none: ``/metrics`` only on the HTTP port).
+        log_format: ``text`` lines, or ``json``: one JSON object per line.
+        access_log: Log one line per HTTP request (logger ``gpuserve.access``, INFO).
         shutdown_timeout_s: On SIGTERM, how long queued and running requests may finish.
         max_request_body_bytes: Larger request bodies are refused with 413.
+        model_control_mode: ``none`` loads every model at start and never changes them;
+            ``explicit`` loads only ``load_model`` at start, then what the repository API
+            loads and unloads; ``poll`` loads every model at start, then applies repository
+            changes every ``repository_poll_interval_s``.
+        load_model: Models to load at start in ``explicit`` mode (``*`` = all).
+        repository_poll_interval_s: Seconds between repository scans in ``poll`` mode.
+        unload_timeout_s: How long a version that is unloaded or replaced may take to finish
+            its queued and running requests before the rest get 503.
+        strict_readiness: False: ready when at least one model version is READY. True: ready
+            only when every model required at start (or loaded since) has a READY version.
+        disable_management: Refuse the repository's load/unload/rollback/canary endpoints
+            (403); the index stays readable.
+        management_token: When set, those endpoints need ``Authorization: Bearer <token>``
+            (401 without it).
     """
 
     model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
@@ -333,6 +430,25 @@ class ServerConfig(BaseSettings):
     model_repository: Path = Field(default_factory=default_model_repository)
     host: str = "0.0.0.0"
     http_port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int = Field(default=8001, ge=-1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_port: int | None = Field(default=8002, le=65535)
+    log_format: Literal["text", "json"] = "text"
+    access_log: bool = False
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     max_request_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    model_control_mode: Literal["none", "explicit", "poll"] = "none"
+    load_model: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    repository_poll_interval_s: float = Field(default=15.0, gt=0)
+    unload_timeout_s: float = Field(default=30.0, ge=0)
+    strict_readiness: bool = False
+    disable_management: bool = False
+    management_token: SecretStr | None = None
+
+    @field_validator("load_model", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        # GPUSERVE_LOAD_MODEL=a,b (the environment) as well as a list (flags, code).
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value

@@ -137,3 +137,17 @@ def test_counts_rows_and_drains():
     b.add(item(rows=2))
     assert b.queued_rows == 5 and len(b) == 2
     assert len(b.drain()) == 2 and len(b) == 0 and b.queued_rows == 0
+
+
+def test_requests_whose_client_left_are_dropped_not_batched():
+    b = DynamicBatcher(max_batch_size=8)
+    gone = {"b": True, "c": False}
+    for tag in ("a", "b", "c"):
+        it = item(tag=tag)
+        if tag in gone:
+            it.request.is_cancelled = lambda tag=tag: gone[tag]
+        b.add(it)
+    batch = b.next_batch(0.0)
+    assert tags(batch) == ["a", "c"]
+    assert [p.request.id for p in b.take_cancelled()] == ["b"]
+    assert b.take_cancelled() == [] and len(b) == 0

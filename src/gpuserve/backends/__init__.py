@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from gpuserve.backends.base import Backend
 
-BACKEND_NAMES = ("python", "torch", "onnx")
+BACKEND_NAMES = ("python", "torch", "onnx", "huggingface")
 
 
 def backend_class(name: str) -> type[Backend]:
-    """The backend class for ``name`` (``python``, ``torch`` or ``onnx``), imported lazily.
+    """The backend class for ``name`` (one of :data:`BACKEND_NAMES`), imported lazily.
 
     Raises:
         ValueError: unknown backend name (config validation normally catches this first).
@@ -25,6 +25,10 @@ def backend_class(name: str) -> type[Backend]:
         from gpuserve.backends.onnx_backend import OnnxBackend
 
         return OnnxBackend
+    if name == "huggingface":
+        from gpuserve.backends.huggingface import HuggingFaceBackend
+
+        return HuggingFaceBackend
     raise ValueError(f"unknown backend {name!r} (expected one of {', '.join(BACKEND_NAMES)})")
 
 

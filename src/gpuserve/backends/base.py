@@ -29,7 +29,8 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.errors import ConfigError
 
-_PRECISION_TO_TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# int8 (dynamic quantisation) keeps float32 activations.
+_PRECISION_TO_TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
 
 
 @dataclass(slots=True)

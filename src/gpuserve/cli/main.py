@@ -1,6 +1,8 @@
 """The ``gpuserve`` command line: one module per subcommand, each with ``register(subparsers)``.
 
     gpuserve serve [--model-repository DIR] [--host H] [--http-port N] [--log-level L]
+    gpuserve bench --model M [--concurrency 1:64:x2 | --request-rate R] [--protocol grpc]
+    gpuserve tune --model M --latency-budget-ms 100 [--output DIR]
 
 Each subcommand module adds its parser and sets ``func`` (a callable taking the parsed
 arguments and returning the exit code). With no subcommand, ``serve`` runs.
@@ -13,7 +15,7 @@ import importlib
 import sys
 
 #: Subcommand modules under gpuserve.cli, in help order.
-SUBCOMMANDS = ["serve", "export"]
+SUBCOMMANDS = ["serve", "export", "bench", "tune", "models"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,17 @@ from pydantic import ValidationError
 
 #: flag destination -> ServerConfig field (same names); None values are not overrides.
 SERVE_FIELDS = ["model_repository", "host", "http_port", "log_level", "shutdown_timeout_s"]
+SERVE_FIELDS += ["metrics_port", "log_format", "access_log"]  # observability (metrics, logs)
+SERVE_FIELDS += ["grpc_port"]  # gRPC front end
+SERVE_FIELDS += [  # model lifecycle
+    "model_control_mode",
+    "load_model",
+    "repository_poll_interval_s",
+    "unload_timeout_s",
+    "strict_readiness",
+    "disable_management",
+    "management_token",
+]
 
 
 def register(sub: Any) -> None:
@@ -28,13 +39,77 @@ def register(sub: Any) -> None:
     )
     serve.add_argument("--host", help="bind address (default 0.0.0.0)")
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        help="gRPC port (default 8001; 0 = a free port; -1 = no gRPC listener)",
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-format", choices=["text", "json"], help="text lines (default) or JSON objects"
+    )
+    serve.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log one line per HTTP request (logger gpuserve.access; default off)",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        help="port of a separate Prometheus /metrics listener (default 8002; 0 = a free "
+        "port; -1 = none: /metrics only on the HTTP port)",
+    )
     serve.add_argument(
         "--shutdown-timeout-s",
         type=float,
         help="seconds in-flight requests may take to finish on SIGTERM (default 30)",
     )
+    _lifecycle_flags(serve)
     serve.set_defaults(func=run)
+
+
+def _lifecycle_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--model-control-mode",
+        choices=["none", "explicit", "poll"],
+        help="none: load every model at start (default); explicit: load only --load-model, "
+        "then what the repository API loads; poll: also apply repository changes",
+    )
+    serve.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        help="model to load at start in explicit mode (repeatable; '*' = all)",
+    )
+    serve.add_argument(
+        "--repository-poll-interval-s",
+        type=float,
+        help="seconds between repository scans in poll mode (default 15)",
+    )
+    serve.add_argument(
+        "--unload-timeout-s",
+        type=float,
+        help="seconds an unloaded or replaced version may take to finish its requests (default 30)",
+    )
+    serve.add_argument(
+        "--strict-readiness",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ready only when every required model has a READY version (default: ready when "
+        "any version is READY)",
+    )
+    serve.add_argument(
+        "--disable-management",
+        action="store_true",
+        default=None,
+        help="refuse the load/unload/rollback/canary endpoints (403)",
+    )
+    serve.add_argument(
+        "--management-token",
+        help="bearer token the load/unload/rollback/canary endpoints require (or "
+        "GPUSERVE_MANAGEMENT_TOKEN)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +129,6 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return 2
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format, config.access_log)
     GpuServer(config).run()
     return 0

@@ -68,6 +68,11 @@ class Batch:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _gone(item: Pending) -> bool:
+    probe = item.request.is_cancelled
+    return probe is not None and probe()
+
+
 class DynamicBatcher:
     """Queue and batch-formation policy of one model version.
 
@@ -90,6 +95,9 @@ class DynamicBatcher:
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
+        # Rows cap below max_batch_size, set by an adaptive policy (engine/adaptive.py);
+        # a batch dispatches without waiting once it can reach the cap. None = no cap.
+        self.row_cap: int | None = None
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
         self._levels: list[deque[Pending]] = [deque() for _ in range(priority_levels)]
@@ -97,6 +105,7 @@ class DynamicBatcher:
         self._rows = 0
         self._deadlines: list[tuple[float, int, Pending]] = []
         self._seq = itertools.count()
+        self._cancelled: list[Pending] = []
 
     def __len__(self) -> int:
         """Number of queued requests."""
@@ -146,9 +155,23 @@ class DynamicBatcher:
 
     def _head(self) -> Pending | None:
         for level in self._levels:
+            while level and _gone(level[0]):
+                self._drop(level.popleft())
             if level:
                 return level[0]
         return None
+
+    def _drop(self, item: Pending) -> None:
+        self._forget(item)
+        self._cancelled.append(item)
+
+    def take_cancelled(self) -> list[Pending]:
+        """Remove and return the items found cancelled (client gone) since the last call.
+
+        Cancelled items are noticed lazily, while batches form; they are never batched.
+        """
+        items, self._cancelled = self._cancelled, []
+        return items
 
     def expire(self, now: float) -> list[Pending]:
         """Remove and return queued items whose deadline is at or before ``now``."""
@@ -196,6 +219,8 @@ class DynamicBatcher:
             self._forget(head)
             return Batch([head], head.rows, now)
         limit = self.max_batch_size
+        if self.row_cap is not None:
+            limit = max(1, min(limit, self.row_cap))
         available = self._compatible_rows(head.shape_key, limit)
         waited_out = now - head.arrival_s >= self.max_queue_delay_s
         full = available >= limit
@@ -203,8 +228,9 @@ class DynamicBatcher:
         if not (waited_out or full or preferred_hit):
             return None
         target = self._target_rows(available) if not waited_out else min(available, limit)
-        target = max(target, head.rows)
-        return self._take(head.shape_key, target, now)
+        target = max(min(target, limit), head.rows)
+        batch = self._take(head.shape_key, target, now)
+        return batch if batch.items else None
 
     def _take(self, key: Hashable, target: int, now: float) -> Batch:
         items: list[Pending] = []
@@ -215,6 +241,9 @@ class DynamicBatcher:
             keep: deque[Pending] = deque()
             for item in level:
                 if rows < target and item.shape_key == key and rows + item.rows <= target:
+                    if _gone(item):
+                        self._drop(item)
+                        continue
                     items.append(item)
                     rows += item.rows
                     self._forget(item)

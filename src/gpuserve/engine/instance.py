@@ -33,6 +33,7 @@ import numpy as np
 
 from gpuserve.backends.base import Backend, LoadContext, RowErrors
 from gpuserve.config import ModelConfig
+from gpuserve.engine import tracing
 from gpuserve.engine.batcher import Batch
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.errors import BackendError, GpuserveError, OutOfMemoryError
@@ -102,6 +103,7 @@ class Instance:
         self.in_flight = 0  # batches submitted and not yet reported; owned by the scheduler
         self._batched = self.config.max_batch_size > 0
         self._output_names = [o.name for o in self.config.outputs]
+        self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
         self._first: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._loaded = threading.Event()
@@ -201,26 +203,31 @@ class Instance:
 
     def _preprocess(self, job: BatchResult) -> None:
         job.started_s = t0 = time.monotonic()
+        self._trace.begin("preprocess", job)
         try:
             inputs = self._stack([item.request for item in job.batch.items])
             job.prepared = self.backend.preprocess(inputs)
         except BaseException as err:
             self._fail(job, err)
+        self._trace.end()
         job.preprocess_s = time.monotonic() - t0
 
     def _forward(self, job: BatchResult) -> None:
         if job.error is not None:
             return
         t0 = time.monotonic()
+        self._trace.begin("forward", job)
         try:
             job.raw = self.backend.forward(job.prepared)
         except BaseException as err:
             self._fail(job, err)
+        self._trace.end()
         job.prepared = None
         job.forward_s = time.monotonic() - t0
 
     def _postprocess(self, job: BatchResult) -> None:
         t0 = time.monotonic()
+        self._trace.begin("postprocess", job)
         if job.error is None:
             try:
                 outputs = self.backend.postprocess(job.raw)
@@ -228,6 +235,7 @@ class Instance:
                 job.results = self._split([item.request for item in job.batch.items], outputs)
             except BaseException as err:
                 self._fail(job, err)
+        self._trace.end()
         job.raw = None
         job.postprocess_s = time.monotonic() - t0
         job.finished_s = time.monotonic()

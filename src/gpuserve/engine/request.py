@@ -6,6 +6,7 @@ the engine answers with an :class:`InferenceResponse`. Neither knows about HTTP 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ class InferenceRequest:
         parameters: Request-level parameters, as received.
         priority: Priority level (1 = highest); 0 means the model's default level.
         timeout_us: Queue timeout, microseconds; None means the model's default.
+        is_cancelled: Optional probe, True once the client has gone away; a queued request
+            whose probe says so is dropped instead of run.
     """
 
     model_name: str
@@ -38,6 +41,7 @@ class InferenceRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
     timeout_us: int | None = None
+    is_cancelled: Callable[[], bool] | None = None
 
 
 @dataclass(slots=True)

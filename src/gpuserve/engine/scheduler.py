@@ -21,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuserve.config import ModelConfig
+from gpuserve.engine import tracing
+from gpuserve.engine.adaptive import AdaptiveBatching
 from gpuserve.engine.batcher import Batch, DynamicBatcher, Pending
 from gpuserve.engine.instance import BatchResult, Instance
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
@@ -64,6 +66,14 @@ class ModelScheduler:
             max_queue_size=db.max_queue_size,
             priority_levels=db.priority_levels,
         )
+        # adaptive batching: a policy sets the batcher's delay and row cap (engine/adaptive.py)
+        self.adaptive = (
+            AdaptiveBatching(
+                db.adaptive.target_p99_ms / 1e3, config.max_batch_size, db.max_queue_delay_us / 1e6
+            )
+            if db.adaptive is not None
+            else None
+        )
         self.stats = ModelStats(self.name, version)
         self.instances: list[Instance] = []
         self.in_flight_requests = 0
@@ -102,13 +112,17 @@ class ModelScheduler:
             UnavailableError: the version is shutting down.
         """
         if self._closing or self._loop is None:
-            raise UnavailableError(f"model '{self.name}' version {self.version} is unloading")
+            raise self._refused(
+                UnavailableError(f"model '{self.name}' version {self.version} is unloading")
+            )
         db = self.config.dynamic_batching
         priority = request.priority or db.default_priority_level
         if priority > db.priority_levels:
-            raise InvalidInputError(
-                f"parameter 'priority': {priority} is not a level of model '{self.name}' "
-                f"(1..{db.priority_levels}, 1 = highest)"
+            raise self._refused(
+                InvalidInputError(
+                    f"parameter 'priority': {priority} is not a level of model '{self.name}' "
+                    f"(1..{db.priority_levels}, 1 = highest)"
+                )
             )
         timeout_us = request.timeout_us if request.timeout_us else db.default_timeout_us
         now = self.clock()
@@ -131,6 +145,7 @@ class ModelScheduler:
             )
             raise
         self.in_flight_requests += 1
+        tracing.queue_enter(item, self.name)
         self._idle.clear()
         self._pump()
         try:
@@ -178,10 +193,14 @@ class ModelScheduler:
             instance = self._free_instance()
             if instance is None:
                 break
+            if self.adaptive is not None:
+                self.adaptive.apply(self.batcher)
             batch = self.batcher.next_batch(now)
             if batch is None:
                 break
             self._dispatch(instance, batch)
+        for item in self.batcher.take_cancelled():
+            self._finish_failed(item, CancelledRequestError("client went away"), now)
         self._arm_timer()
 
     def _arm_timer(self) -> None:
@@ -222,6 +241,8 @@ class ModelScheduler:
                 result.error is None,
             )
         )
+        if self.adaptive is not None and result.error is None:
+            self.adaptive.observe(batch, result.finished_s - result.started_s)
         if result.error is not None:
             self._batch_failed(batch, result.error, result.retryable, result.started_s)
         else:
@@ -283,7 +304,15 @@ class ModelScheduler:
                 )
             )
 
+    def _refused(self, error: GpuserveError) -> GpuserveError:
+        """Record a request refused before it was queued (so a failure is never uncounted)."""
+        self.stats.record_request(
+            RequestStats(self.name, self.version, 0, 0.0, 0.0, 0.0, error.reason)
+        )
+        return error
+
     def _finish_failed(self, item: Pending, error: GpuserveError, now: float) -> None:
+        tracing.queue_exit((item,))
         total = self.clock() - item.arrival_s
         self._record(item, total, 0.0, total, error.reason)
         future: asyncio.Future[InferenceResponse] = item.token

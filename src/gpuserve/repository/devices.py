@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import sys
+
 from gpuserve.config import ModelConfig
 
 
@@ -42,3 +45,12 @@ def instance_devices(config: ModelConfig, gpu_count: int | None = None) -> list[
                 )
             devices.extend([f"cuda:{gpu}"] * group.count)
     return devices
+
+
+def release_device_memory() -> None:
+    """Return freed device memory after a version unloaded: collect the garbage its objects
+    left, then hand PyTorch's cached CUDA blocks back to the driver (when CUDA is in use)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -7,6 +7,12 @@ Layout::
 
 Every problem found is collected, so ``gpuserve models validate`` can report all of them at
 once; a model with problems is skipped at serve time and shown as failed.
+
+A version folder that is still being written is never loaded: it is skipped while it holds a
+marker file (``.incomplete`` or ``INCOMPLETE``; write the files, then delete the marker) or
+while it is empty. In ``poll`` mode a new or changed folder must also look the same (file
+names, sizes, modification times: its :func:`fingerprint`) on two scans in a row. Writing a
+version under a hidden name (``.3``) and renaming it to ``3`` when complete is the atomic way.
 """
 
 from __future__ import annotations
@@ -17,6 +23,36 @@ from pathlib import Path
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, load_model_config
 from gpuserve.errors import ConfigError
 
+#: Files that mark a version folder as still being written.
+INCOMPLETE_MARKERS = (".incomplete", "INCOMPLETE")
+
+#: What identifies a version folder's content: (relative path, size bytes, mtime ns) per file.
+Fingerprint = tuple[tuple[str, int, int], ...]
+
+#: The model file each backend loads from a version folder (any one of them).
+MODEL_FILES = {
+    "python": ("model.py",),
+    "torch": ("model.pt2", "model.pt", "model.py"),
+    "onnx": ("model.onnx",),
+}
+
+
+@dataclass(slots=True, frozen=True)
+class VersionFolder:
+    """One numeric version folder of a model.
+
+    Attributes:
+        version: The folder's number.
+        path: The folder.
+        fingerprint: Its content identity (see :func:`fingerprint`).
+        problem: Why it cannot be loaded now (incomplete), or None.
+    """
+
+    version: int
+    path: Path
+    fingerprint: Fingerprint
+    problem: str | None = None
+
 
 @dataclass(slots=True)
 class ModelEntry:
@@ -26,8 +62,10 @@ class ModelEntry:
         name: Folder name (the model name).
         path: The folder.
         config: Validated config, or None if it failed.
-        versions: Version numbers selected by the version policy, ascending.
+        versions: Version numbers selected by the version policy among the loadable
+            folders, ascending.
         available: Every numeric version folder found.
+        folders: Every numeric version folder, by number, with its fingerprint and problem.
         error: Why the model cannot be served, or None.
     """
 
@@ -36,7 +74,12 @@ class ModelEntry:
     config: ModelConfig | None = None
     versions: list[int] = field(default_factory=list)
     available: list[int] = field(default_factory=list)
+    folders: dict[int, VersionFolder] = field(default_factory=dict)
     error: str | None = None
+
+    def loadable(self) -> list[int]:
+        """Version folders without a problem, ascending."""
+        return [v for v in self.available if self.folders[v].problem is None]
 
 
 def version_folders(model_path: Path) -> list[int]:
@@ -48,22 +91,69 @@ def version_folders(model_path: Path) -> list[int]:
     return sorted(found)
 
 
-def scan_model(path: Path) -> ModelEntry:
-    """Read one model folder (never raises; problems go to ``entry.error``)."""
+def fingerprint(path: Path) -> Fingerprint:
+    """(relative path, size, mtime ns) of every file under ``path``, sorted.
+
+    ``__pycache__`` folders are left out: importing a ``model.py`` writes them, and that must
+    not look like a change of the version.
+    """
+    rows = []
+    for file in path.rglob("*"):
+        if "__pycache__" in file.parts or not file.is_file():
+            continue
+        try:
+            stat = file.stat()
+        except OSError:  # removed while we looked: the next scan sees the new state
+            continue
+        rows.append((file.relative_to(path).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return tuple(sorted(rows))
+
+
+def read_version_folder(path: Path) -> VersionFolder:
+    """Inspect one version folder: its fingerprint and whether it is complete."""
+    prints = fingerprint(path)
+    problem = None
+    markers = [name for name in INCOMPLETE_MARKERS if (path / name).exists()]
+    if markers:
+        problem = f"{path}: incomplete (marker file '{markers[0]}' present); not loaded"
+    elif not prints:
+        problem = f"{path}: empty version folder; not loaded"
+    return VersionFolder(int(path.name), path, prints, problem)
+
+
+def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
+    """Read one model folder (never raises; problems go to ``entry.error``).
+
+    Args:
+        path: The model folder.
+        config: Use this configuration instead of reading ``config.yaml``.
+    """
     entry = ModelEntry(path.name, path)
+    if config is not None:
+        entry.config = config
+    else:
+        try:
+            entry.config = load_model_config(path / CONFIG_FILENAME)
+        except ConfigError as err:
+            entry.error = err.message
+            return entry
     try:
-        entry.config = load_model_config(path / CONFIG_FILENAME)
-    except ConfigError as err:
-        entry.error = err.message
+        entry.available = version_folders(path)
+    except OSError as err:
+        entry.error = f"{path}: cannot list version folders: {err.strerror}"
         return entry
-    entry.available = version_folders(path)
     if not entry.available:
         entry.error = f"{path}: no version folder (expected numeric sub-folders such as '1/')"
         return entry
-    entry.versions = entry.config.version_policy.select(entry.available)
+    entry.folders = {v: read_version_folder(path / str(v)) for v in entry.available}
+    loadable = entry.loadable()
+    entry.versions = entry.config.version_policy.select(loadable)
     if not entry.versions:
+        problems = [entry.folders[v].problem for v in entry.available if entry.folders[v].problem]
         entry.error = (
-            f"{path}: version_policy selects none of the available versions {entry.available}"
+            f"{path}: version_policy selects none of the loadable versions {loadable} "
+            f"(version folders: {entry.available})"
+            + (f"; {'; '.join(p for p in problems if p)}" if problems else "")
         )
     return entry
 
@@ -86,3 +176,59 @@ def scan_repository(root: Path) -> list[ModelEntry]:
                     ModelEntry(child.name, child, error=f"{child}: missing {CONFIG_FILENAME}")
                 )
     return entries
+
+
+def validate_repository(root: Path, check_model_files: bool = True) -> list[str]:
+    """Every problem of every model in ``root``, for ``gpuserve models validate``.
+
+    Checks the config of each model, its version folders (complete, holding the backend's
+    model file), a canary that names a missing version, and, with ``check_model_files``, the
+    backend's ``complete_config`` for each selected version (the check the server does before
+    loading: declared tensors against an ONNX or ``torch.export`` file).
+
+    Returns:
+        One message per problem; empty when the repository is fine.
+
+    Raises:
+        ConfigError: ``root`` is not a readable folder.
+    """
+    problems: list[str] = []
+    for entry in scan_repository(root):
+        if entry.config is None:
+            problems.append(entry.error or f"{entry.path}: invalid")
+            continue
+        if entry.error:
+            problems.append(entry.error)
+        for version in entry.available:
+            folder = entry.folders[version]
+            if folder.problem is not None:
+                problems.append(folder.problem)
+                continue
+            names = MODEL_FILES.get(entry.config.backend, ())
+            if names and not any((folder.path / name).is_file() for name in names):
+                problems.append(
+                    f"{folder.path}: backend '{entry.config.backend}' needs "
+                    f"{' or '.join(names)}; found {sorted(p for p, _, _ in folder.fingerprint)}"
+                )
+                continue
+            if check_model_files and version in entry.versions:
+                problems.extend(_check_complete_config(entry.config, folder.path))
+        canary = entry.config.canary
+        if canary is not None and canary.version not in entry.available:
+            problems.append(
+                f"{entry.path / CONFIG_FILENAME}: field 'canary.version': {canary.version} is "
+                f"not a version folder (versions: {entry.available})"
+            )
+    return problems
+
+
+def _check_complete_config(config: ModelConfig, version_path: Path) -> list[str]:
+    from gpuserve.backends import backend_class
+
+    try:
+        backend_class(config.backend).complete_config(config, version_path)
+    except ConfigError as err:
+        return [err.message]
+    except Exception as err:  # a model file the backend cannot read
+        return [f"{version_path}: cannot be read by backend '{config.backend}': {err}"]
+    return []

@@ -12,6 +12,8 @@ extensions):
     GET  /v2/models/{m}[/versions/{v}]/config the model's configuration
     GET  /v2/models[/{m}[/versions/{v}]]/stats statistics extension
     POST /v2/repository/index                 every model version and its state
+    POST /v2/repository/models/{m}/...        load, unload, rollback, canary (see
+                                              gpuserve.server.http.repository)
 
 The routing is a few string comparisons rather than a framework router, because it sits on
 the per-request hot path. Errors are ``{"error": "..."}`` with the status from
@@ -20,20 +22,36 @@ the per-request hot path. Errors are ``{"error": "..."}`` with the status from
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 import gpuserve
 from gpuserve.config import ServerConfig
 from gpuserve.engine.stats import RequestStats
-from gpuserve.errors import GpuserveError, InvalidInputError, ModelNotFoundError, OverloadedError
+from gpuserve.errors import (
+    GpuserveError,
+    ModelNotFoundError,
+    OverloadedError,
+    UnavailableError,
+)
 from gpuserve.protocol import decode_infer_request, encode_infer_response, parse_header_length
 from gpuserve.repository.manager import ModelManager, ModelVersion
+from gpuserve.server.http.repository import ManagementDenied, RepositoryApi
 from gpuserve.server.status import http_status
+from gpuserve.server.timing import (
+    COMPUTE_TIME_US_HEADER,
+    QUEUE_TIME_US_HEADER,
+    TOTAL_TIME_US_HEADER,
+    microseconds,
+)
+
+if TYPE_CHECKING:
+    from gpuserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("gpuserve.access")
@@ -63,6 +81,8 @@ class HttpApp:
         manager: The model manager requests are routed to.
         config: Server settings (body size limit).
         on_startup / on_shutdown: Awaited from the ASGI lifespan protocol.
+        metrics: Serves ``GET /metrics`` and counts requests refused before they reach a
+            model version; None for neither.
     """
 
     def __init__(
@@ -71,12 +91,16 @@ class HttpApp:
         config: ServerConfig,
         on_startup: Callable[[], Awaitable[None]] | None = None,
         on_shutdown: Callable[[], Awaitable[None]] | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         self.manager = manager
+        self.metrics = metrics
+        self.access_log = config.access_log
         self.config = config
         self.on_startup = on_startup
         self.on_shutdown = on_shutdown
         self.max_body = config.max_request_body_bytes
+        self.repository = RepositoryApi(manager, config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -108,7 +132,17 @@ class HttpApp:
         try:
             if method == "POST" and path.endswith("/infer"):
                 body = await self._read_body(scope, receive)
-                status, payload, content_type, extra_headers = await self._infer(scope, path, body)
+                status, payload, content_type, extra_headers = await self._infer(
+                    scope, receive, path, body
+                )
+                total = microseconds(time.monotonic() - started).encode()
+                extra_headers.append((TOTAL_TIME_US_HEADER, total))
+            elif method == "GET" and path == "/metrics" and self.metrics is not None:
+                status, payload, content_type = 200, *await self._metrics(scope)
+            elif method == "POST" and self.repository.handles(path):
+                body = await self._read_body(scope, receive)
+                status, payload, extra_headers = await self._repository(scope, path, body)
+                content_type = JSON
             else:
                 if method == "POST":
                     await self._read_body(scope, receive)
@@ -122,6 +156,8 @@ class HttpApp:
         except HttpError as err:
             status, content_type = err.status, JSON
             payload = orjson.dumps({"error": err.message})
+            if method == "POST" and path.endswith("/infer"):  # body too large, bad path
+                self._count_unrouted(path, None, "invalid")
         except Exception:  # a bug: log it, never leak it
             logger.exception("unhandled error serving %s %s", method, path)
             status, content_type = 500, JSON
@@ -133,15 +169,8 @@ class HttpApp:
         ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
-        if access_logger.isEnabledFor(logging.DEBUG):
-            access_logger.debug(
-                "%s %s %d %d bytes %.2f ms",
-                method,
-                path,
-                status,
-                len(payload),
-                (time.monotonic() - started) * 1000,
-            )
+        if self.access_log:
+            _log_access(scope, status, len(payload), time.monotonic() - started)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         for name, value in scope["headers"]:
@@ -174,12 +203,16 @@ class HttpApp:
                 return b"".join(chunks)
 
     async def _infer(
-        self, scope: Scope, path: str, body: bytes
+        self, scope: Scope, receive: Receive, path: str, body: bytes
     ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
         name, version, rest = _split_model_path(path)
         if rest != "infer":
             raise HttpError(404, f"unknown path {path}")
-        mv = self.manager.version(name, version)
+        try:
+            mv = self.manager.version(name, version)
+        except GpuserveError as err:
+            self._count_unrouted(name, version, err.reason)
+            raise
         scheduler = mv.scheduler
         assert scheduler is not None
         header_value = None
@@ -191,23 +224,56 @@ class HttpApp:
             decoded = decode_infer_request(
                 body, parse_header_length(header_value), mv.config, name, version
             )
-        except InvalidInputError as err:
+            if self.manager.shutting_down:
+                raise UnavailableError("server is shutting down; retry on another replica")
+        except GpuserveError as err:  # counted here: it never reaches the scheduler
             scheduler.stats.record_request(
                 RequestStats(name, scheduler.version, 0, 0.0, 0.0, 0.0, err.reason)
             )
             raise
+        if version is None:  # a canary may take this request (by a hash of its id)
+            routed = self.manager.split(mv, decoded.request.id)
+            if routed is not mv and routed.scheduler is not None:
+                mv, scheduler = routed, routed.scheduler
+        scope["gpuserve.access"] = (name, scheduler.version, decoded.request)
+        # A request whose client disconnects while it waits is dropped when its batch forms,
+        # so it never runs (BC-11). The check reads the connection's state lazily: watching
+        # each connection with its own task would halve the request rate.
+        decoded.request.is_cancelled = _disconnect_probe(receive)
         response = await scheduler.infer(decoded.request)
         encoded = encode_infer_response(response, decoded.output_options, mv.config)
         timing = response.timing
         headers = [
-            (b"x-queue-time-us", str(int(timing.queue_s * 1e6)).encode()),
-            (b"x-compute-time-us", str(int(timing.compute_s * 1e6)).encode()),
+            (QUEUE_TIME_US_HEADER, microseconds(timing.queue_s).encode()),
+            (COMPUTE_TIME_US_HEADER, microseconds(timing.compute_s).encode()),
         ]
         if encoded.header_length is not None:
             headers.append(
                 (b"inference-header-content-length", str(encoded.header_length).encode())
             )
         return 200, encoded.body, encoded.content_type.encode(), headers
+
+    async def _metrics(self, scope: Scope) -> tuple[bytes, bytes]:
+        """``GET /metrics``: rendered off the event loop (NVML reads can take milliseconds)."""
+        from gpuserve.metrics import render
+
+        assert self.metrics is not None
+        accept = ""
+        for key, value in scope["headers"]:
+            if key == b"accept":
+                accept = value.decode("latin-1")
+        loop = asyncio.get_running_loop()
+        body, content_type = await loop.run_in_executor(None, render, self.metrics.registry, accept)
+        return body, content_type.encode()
+
+    def _count_unrouted(self, name_or_path: str, version: str | None, reason: str) -> None:
+        """Count a failed inference request that never reached a model version."""
+        if self.metrics is None:
+            return
+        if name_or_path.startswith("/"):
+            parts = name_or_path.split("/")  # ['', 'v2', 'models', name, ...]
+            name_or_path = parts[3] if len(parts) > 3 else ""
+        self.metrics.record_unrouted(name_or_path, version, reason)
 
     def _route(self, method: str, path: str) -> tuple[int, bytes]:
         path = path.rstrip("/") or "/"
@@ -233,13 +299,23 @@ class HttpApp:
                     return 200, orjson.dumps(self._config(name, version))
                 if rest == "stats":
                     return 200, orjson.dumps({"model_stats": self._stats(name, version)})
-        elif method == "POST" and path == "/v2/repository/index":
-            return 200, orjson.dumps(self.manager.index())
         if path.startswith("/v2"):
             raise HttpError(
                 404 if method in ("GET", "POST") else 405, f"no endpoint {method} {path}"
             )
         raise HttpError(404, f"no endpoint {method} {path}")
+
+    async def _repository(
+        self, scope: Scope, path: str, body: bytes
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        try:
+            status, payload = await self.repository.handle(path, scope["headers"], body)
+        except ManagementDenied as err:
+            headers = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
+            return err.status, orjson.dumps({"error": err.message}), headers
+        except LookupError:
+            raise HttpError(404, f"no endpoint POST {path}") from None
+        return status, payload, []
 
     # -- endpoint bodies -------------------------------------------------------------------
 
@@ -262,6 +338,11 @@ class HttpApp:
         return {
             "name": name,
             "versions": [str(mv.version) for mv in versions],
+            "version_states": [  # gpuserve: state, reason and traffic share of each version
+                row
+                for row in self.manager.status(name)["versions"]
+                if version is None or row["version"] == version
+            ],
             "platform": _PLATFORM.get(config.backend, config.backend),
             "inputs": [
                 {"name": t.name, "datatype": t.datatype, "shape": batch + list(t.shape)}
@@ -301,6 +382,66 @@ class HttpApp:
         else:
             _, versions = self._lookup(name, version)
         return [mv.scheduler.stats.as_dict() for mv in versions if mv.scheduler is not None]
+
+
+def _disconnect_probe(receive: Receive) -> Callable[[], bool] | None:
+    """A cheap "has the client gone?" check for the request that ``receive`` belongs to.
+
+    uvicorn's ``receive`` is a method of its per-request cycle object, which records
+    ``disconnected`` when the connection is lost. Servers without that attribute get no probe
+    (requests then run even if their client left).
+    """
+    cycle = getattr(receive, "__self__", None)
+    if cycle is None or not hasattr(cycle, "disconnected"):
+        return None
+    return lambda: bool(cycle.disconnected)
+
+
+def _log_access(scope: Scope, status: int, size: int, total_s: float) -> None:
+    """One ``gpuserve.access`` line: client, request line, status, model, version, rows, input
+    shapes (never contents), response bytes and total milliseconds; the same fields go to JSON
+    logs as keys."""
+    if not access_logger.isEnabledFor(logging.INFO):
+        return
+    client = scope.get("client")
+    peer = f"{client[0]}:{client[1]}" if client else "-"
+    info = scope.get("gpuserve.access")
+    model = version = "-"
+    rows = 0
+    shapes: dict[str, list[int]] = {}
+    if info is not None:
+        model, version, request = info
+        shapes = {name: list(array.shape) for name, array in request.inputs.items()}
+        first = next(iter(shapes.values()), None)
+        rows = first[0] if first else 1
+    elif scope["path"].startswith("/v2/models/"):
+        model = scope["path"].split("/")[3] or "-"
+    total_ms = round(total_s * 1000, 3)
+    access_logger.info(
+        '%s "%s %s" %d model=%s version=%s rows=%d shapes=%s bytes=%d %.3f ms',
+        peer,
+        scope["method"],
+        scope["path"],
+        status,
+        model,
+        version,
+        rows,
+        shapes,
+        size,
+        total_ms,
+        extra={
+            "client": peer,
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "model": model,
+            "version": version,
+            "rows": rows,
+            "shapes": shapes,
+            "bytes": size,
+            "total_ms": total_ms,
+        },
+    )
 
 
 def _split_model_path(path: str) -> tuple[str, str | None, str]:

@@ -20,7 +20,10 @@ import torch
 
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.python import PythonModel
+from gpuserve.backends.torch_exec import quantize_linear_int8
+from gpuserve.config import ModelConfig
 from gpuserve.models.sentence_embedding import SentenceEmbedder, TokenizedBatch, decode_texts
+from gpuserve.models.text_embedding_onnx import PythonExport, export_text_embedding
 
 
 class Model(PythonModel):
@@ -40,6 +43,9 @@ class Model(PythonModel):
             dtype=context.torch_dtype,
             max_seq_len=int(max_seq_len) if max_seq_len is not None else None,
         )
+        if context.precision == "int8":
+            # dynamic quantisation of the linear layers (CPU kernels), activations stay fp32
+            self.embedder.encoder = quantize_linear_int8(self.embedder.encoder)
         declared = next((t.shape for t in context.config.outputs if t.name == "EMBEDDING"), None)
         if declared != [self.embedder.dimension]:
             raise ValueError(
@@ -58,3 +64,10 @@ class Model(PythonModel):
 
     def postprocess(self, outputs: torch.Tensor) -> dict[str, np.ndarray]:
         return {"EMBEDDING": outputs.cpu().numpy()}
+
+    @staticmethod
+    def export_onnx(
+        config: ModelConfig, version_path: Path, folder: Path, *, fp16: bool, opset: int
+    ) -> PythonExport:
+        """``gpuserve export``: the ONNX graph + tokenizer model (see text_embedding_onnx)."""
+        return export_text_embedding(config, version_path, folder, fp16=fp16, opset=opset)

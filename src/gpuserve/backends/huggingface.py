@@ -1,0 +1,462 @@
+"""The ``huggingface`` backend: a local transformers folder, served for one task.
+
+The folder (``huggingface.model_dir``, default the version folder itself) holds what
+``save_pretrained`` writes: ``config.json``, the weights (``model.safetensors`` or
+``pytorch_model.bin``) and the tokenizer files (``tokenizer.json`` for the fast tokenizer).
+It is loaded with ``from_pretrained(folder, local_files_only=True)``: never a hub download.
+Needs ``transformers`` (``pip install 'gpuserve[huggingface]'``).
+
+Tasks (``huggingface.task``) and their tensors; ``config.yaml`` may omit ``inputs`` and
+``outputs``, which are then filled in from ``config.json`` (see :meth:`complete_config`)::
+
+    feature-extraction        TEXT BYTES [1] -> EMBEDDING FP32 [hidden_size]
+    sequence-classification   TEXT BYTES [1] -> LOGITS FP32 [num_labels], LABEL BYTES [1]
+                                                (PROBABILITIES FP32 [num_labels] if declared)
+
+Feature extraction is what sentence-transformers computes: the encoder's last hidden state,
+pooled (masked mean, or the first token) and optionally L2-normalised; with ``pooling: auto``
+and ``normalize`` unset both follow the folder's sentence-transformers files
+(``modules.json``, ``1_Pooling/config.json``), so a sentence-transformers folder gives the
+embeddings ``SentenceTransformer.encode`` gives. Sequence classification returns the raw
+logits, the softmax (sigmoid for ``problem_type: multi_label_classification``) and the
+``id2label`` name of the largest logit.
+
+Stages: the CPU stage decodes the UTF-8 rows and tokenises them with the fast tokenizer
+(``max_length``, ``truncation``, ``padding`` from config; pinned host tensors for a GPU); the
+device stage runs the model on ``context.device`` in ``context.torch_dtype`` (pooling and
+logits in float32); the CPU stage converts to numpy. With ``truncation: false`` a row longer
+than ``max_length`` fails alone (400); the rest of its batch is served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
+from gpuserve.errors import ConfigError, InvalidInputError
+from gpuserve.models.sentence_embedding import decode_texts
+
+logger = logging.getLogger(__name__)
+
+FEATURE_EXTRACTION = "feature-extraction"
+SEQUENCE_CLASSIFICATION = "sequence-classification"
+TEXT_INPUT = "TEXT"
+#: Output names each task offers; the first ones are what auto-completion declares.
+TASK_OUTPUTS = {
+    FEATURE_EXTRACTION: ("EMBEDDING",),
+    SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL", "PROBABILITIES"),
+}
+_AUTO_OUTPUTS = {FEATURE_EXTRACTION: ("EMBEDDING",), SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL")}
+#: ``config.json`` keys that hold the width of the hidden state, by model family.
+_HIDDEN_KEYS = ("hidden_size", "dim", "d_model", "n_embd")
+#: Tokenizers report this (``int(1e30)``) when the folder sets no ``model_max_length``.
+_NO_LIMIT = 1_000_000
+_DEFAULT_MAX_LENGTH = 512
+#: A folder holds a tokenizer when it has one of these (``tokenizer.json`` is the fast one).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+
+
+def import_transformers() -> Any:
+    """``transformers``, or a ConfigError saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            "backend 'huggingface' needs transformers: pip install 'gpuserve[huggingface]'"
+        ) from None
+    return transformers
+
+
+@dataclass(frozen=True, slots=True)
+class FolderInfo:
+    """What a transformers folder says about itself, read from JSON (no transformers import).
+
+    Attributes:
+        path: The folder.
+        hidden_size: Width of the last hidden state, or None when ``config.json`` names none.
+        labels: ``id2label`` names in id order (``LABEL_<i>`` when absent).
+        multi_label: ``problem_type`` is ``multi_label_classification``.
+        max_positions: ``max_position_embeddings``, or None.
+        st_max_seq_length: sentence-transformers ``max_seq_length``, or None.
+        st_pooling: sentence-transformers pooling mode (``mean``, ``cls``, ``max``, ...), or
+            None when the folder has no pooling config.
+        st_normalize: ``modules.json`` lists a ``Normalize`` module.
+    """
+
+    path: Path
+    hidden_size: int | None
+    labels: list[str]
+    multi_label: bool = False
+    max_positions: int | None = None
+    st_max_seq_length: int | None = None
+    st_pooling: str | None = None
+    st_normalize: bool = False
+
+
+def model_folder(config: ModelConfig, version_path: Path) -> Path:
+    """The transformers folder of one version (``huggingface.model_dir`` or the version)."""
+    configured = config.huggingface.model_dir
+    return version_path / Path(configured) if configured else version_path
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read: {err}") from None
+
+
+def read_folder(path: Path) -> FolderInfo:
+    """Read ``config.json`` and the sentence-transformers files of a transformers folder.
+
+    Raises:
+        ConfigError: no ``config.json``, unreadable JSON.
+    """
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"{path}: backend 'huggingface' needs a transformers folder here (config.json, "
+            "weights and tokenizer files, as save_pretrained writes them); none found"
+        )
+    data = _read_json(config_path)
+    hidden = next((data[k] for k in _HIDDEN_KEYS if isinstance(data.get(k), int)), None)
+    id2label = data.get("id2label") or {}
+    count = len(id2label) or int(data.get("num_labels", 2))
+    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
+    st_max = None
+    sbert = path / "sentence_bert_config.json"
+    if sbert.is_file():
+        value = _read_json(sbert).get("max_seq_length")
+        st_max = int(value) if value is not None else None
+    modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
+    pooling_dir = next(
+        (m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling")),
+        "1_Pooling",
+    )
+    st_pooling = None
+    pooling_config = path / pooling_dir / "config.json"
+    if pooling_config.is_file():
+        modes = _read_json(pooling_config)
+        chosen = [k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True]
+        names = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+        st_pooling = "+".join(names.get(k, k.removeprefix("pooling_mode_")) for k in chosen)
+    return FolderInfo(
+        path=path,
+        hidden_size=hidden,
+        labels=labels,
+        multi_label=data.get("problem_type") == "multi_label_classification",
+        max_positions=data.get("max_position_embeddings"),
+        st_max_seq_length=st_max,
+        st_pooling=st_pooling,
+        st_normalize=any(str(m.get("type", "")).endswith(".Normalize") for m in modules),
+    )
+
+
+def model_tensors(task: str, info: FolderInfo) -> dict[str, TensorSpec]:
+    """Every output ``task`` can produce for this folder, by name."""
+    if task == FEATURE_EXTRACTION:
+        if info.hidden_size is None:
+            return {}
+        return {
+            "EMBEDDING": TensorSpec(name="EMBEDDING", datatype="FP32", shape=[info.hidden_size])
+        }
+    n = len(info.labels)
+    return {
+        "LOGITS": TensorSpec(name="LOGITS", datatype="FP32", shape=[n]),
+        "LABEL": TensorSpec(name="LABEL", datatype="BYTES", shape=[1]),
+        "PROBABILITIES": TensorSpec(name="PROBABILITIES", datatype="FP32", shape=[n]),
+    }
+
+
+def _spec_text(spec: TensorSpec) -> str:
+    return f"{spec.name} {spec.datatype} {spec.shape}"
+
+
+def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
+    """Fill in or check ``inputs``/``outputs`` of a huggingface model (see the module doc).
+
+    Raises:
+        ConfigError: no batching, an input other than one BYTES ``[1]`` tensor, an output the
+            task does not produce, or one whose datatype/shape disagrees with the model; the
+            message names the config's value and the model's.
+    """
+    config_path = version_path.parent / CONFIG_FILENAME
+    hf = config.huggingface
+    if config.max_batch_size < 1:
+        raise ConfigError(
+            f"{config_path}: field 'max_batch_size': backend 'huggingface' batches its rows "
+            f"(TEXT is [batch, 1]); use 1 or more, got {config.max_batch_size}"
+        )
+    info = read_folder(model_folder(config, version_path))
+    available = model_tensors(hf.task, info)
+    problems: list[str] = []
+    inputs = list(config.inputs)
+    if not inputs:
+        inputs = [TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])]
+    elif len(inputs) != 1 or inputs[0].datatype != "BYTES" or inputs[0].shape != [1]:
+        declared = ", ".join(_spec_text(s) for s in inputs)
+        problems.append(f"inputs: config declares [{declared}], the model takes [TEXT BYTES [1]]")
+    outputs = list(config.outputs)
+    if not outputs:
+        if not available:
+            raise ConfigError(
+                f"{config_path}: outputs omitted, but {info.path / 'config.json'} names no "
+                f"hidden size (none of {list(_HIDDEN_KEYS)}); declare EMBEDDING FP32 [width]"
+            )
+        outputs = [available[name] for name in _AUTO_OUTPUTS[hf.task]]
+    for spec in config.outputs:
+        model_spec = available.get(spec.name)
+        if model_spec is None and hf.task == FEATURE_EXTRACTION and spec.name == "EMBEDDING":
+            continue  # width unknown to config.json: the declaration is taken at its word
+        if model_spec is None:
+            problems.append(
+                f"output '{spec.name}': task '{hf.task}' produces only "
+                f"{list(TASK_OUTPUTS[hf.task])}"
+            )
+        elif (spec.datatype, spec.shape) != (model_spec.datatype, model_spec.shape):
+            problems.append(
+                f"output '{spec.name}': config declares {spec.datatype} {spec.shape}, the "
+                f"model gives {model_spec.datatype} {model_spec.shape}"
+            )
+    if problems:
+        raise ConfigError(
+            f"{config_path}: config.yaml disagrees with {info.path / 'config.json'}:\n  "
+            + "\n  ".join(problems)
+        )
+    if inputs == config.inputs and outputs == config.outputs:
+        return config
+    return config.model_copy(update={"inputs": inputs, "outputs": outputs})
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """CPU stage result: tokenised rows (int64 [B, L] each, pinned for a GPU) and row errors."""
+
+    features: dict[str, Any]
+    errors: dict[int, InvalidInputError] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DeviceResult:
+    """Device stage result: float32 [B, W] on the device (embeddings or logits)."""
+
+    values: Any
+    errors: dict[int, InvalidInputError] = field(default_factory=dict)
+
+
+class HuggingFaceBackend(Backend):
+    """A transformers model and its fast tokenizer, for one task (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.task = FEATURE_EXTRACTION
+        self.device: Any = None
+        self.text_input = TEXT_INPUT
+        self.output_names: list[str] = []
+        self.max_length = _DEFAULT_MAX_LENGTH
+        self.truncation = True
+        self.padding = "longest"
+        self.pooling = "mean"
+        self.normalize = False
+        self.labels: list[str] = []
+        self.multi_label = False
+        self._input_names: list[str] = []
+        self._pin = False
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
+        return complete_hf_config(config, version_path)
+
+    def load(self, context: LoadContext) -> None:
+        import torch
+
+        transformers = import_transformers()
+        config = complete_hf_config(context.config, context.version_path)
+        hf = config.huggingface
+        info = read_folder(model_folder(config, context.version_path))
+        self.task = hf.task
+        self.text_input = config.inputs[0].name
+        self.output_names = [spec.name for spec in config.outputs]
+        self.labels = info.labels
+        self.multi_label = info.multi_label
+        self.truncation = hf.truncation
+        self.padding = hf.padding
+        self.pooling, self.normalize = _pooling(hf.pooling, hf.normalize, info)
+
+        folder = str(info.path)
+        # Per-load progress bars are noise in a server's log.
+        transformers.utils.logging.disable_progress_bar()
+        if not any((info.path / name).is_file() for name in _TOKENIZER_FILES):
+            # Recent transformers would build an empty tokenizer rather than fail.
+            raise ConfigError(
+                f"{folder}: no tokenizer files (one of {list(_TOKENIZER_FILES)}); save the "
+                "tokenizer into the folder with tokenizer.save_pretrained"
+            )
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+                folder, local_files_only=True, use_fast=True
+            )
+        except Exception as err:  # transformers raises OSError/ValueError/... for bad folders
+            raise ConfigError(f"{folder}: cannot load a tokenizer: {err}") from None
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ConfigError(f"{folder}: no fast tokenizer (tokenizer.json) in the folder")
+        self.max_length = _max_length(hf.max_length, info, self.tokenizer)
+        self._input_names = list(self.tokenizer.model_input_names)
+
+        auto = (
+            transformers.AutoModel
+            if self.task == FEATURE_EXTRACTION
+            else transformers.AutoModelForSequenceClassification
+        )
+        try:
+            model = auto.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        except Exception as err:  # see above
+            raise ConfigError(f"{folder}: cannot load the model for '{self.task}': {err}") from None
+        self.device = torch.device(context.device)
+        self.model = model.to(device=self.device, dtype=context.torch_dtype).eval()
+        self.model.requires_grad_(False)
+        self._pin = self.device.type == "cuda"
+        if self.task == SEQUENCE_CLASSIFICATION and self.model.config.num_labels != len(
+            self.labels
+        ):
+            self.labels = [
+                self.model.config.id2label.get(i, f"LABEL_{i}")
+                for i in range(self.model.config.num_labels)
+            ]
+        logger.info(
+            "model %s: transformers %s %s (%s) on %s in %s, max_length %d, pooling %s%s",
+            config.name,
+            type(self.model).__name__,
+            self.task,
+            folder,
+            self.device,
+            context.precision,
+            self.max_length,
+            self.pooling if self.task == FEATURE_EXTRACTION else "-",
+            ", normalised" if self.normalize and self.task == FEATURE_EXTRACTION else "",
+        )
+
+    def warmup(self) -> None:
+        text = np.array([[b"gpuserve warms up the model."]], dtype=object)
+        self.postprocess(self.forward(self.preprocess({self.text_input: text})))
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> TokenBatch:
+        texts = decode_texts(inputs[self.text_input])
+        errors: dict[int, InvalidInputError] = {}
+        if not self.truncation:
+            lengths = [
+                len(ids)
+                for ids in self.tokenizer(
+                    texts,
+                    truncation=False,
+                    return_attention_mask=False,
+                    return_token_type_ids=False,
+                )["input_ids"]
+            ]
+            for row, length in enumerate(lengths):
+                if length > self.max_length:
+                    errors[row] = InvalidInputError(
+                        f"input '{self.text_input}': {length} tokens, more than max_length "
+                        f"{self.max_length} (truncation is off)"
+                    )
+                    texts[row] = ""
+        encoded = self.tokenizer(
+            texts,
+            padding=self.padding,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
+        features = {k: v for k, v in encoded.items() if k in self._input_names}
+        if self._pin:
+            features = {k: v.pin_memory() for k, v in features.items()}
+        return TokenBatch(features, errors)
+
+    def forward(self, prepared: TokenBatch) -> DeviceResult:
+        import torch
+        import torch.nn.functional as F
+
+        with torch.inference_mode():
+            feeds = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
+            out = self.model(**feeds)
+            if self.task == SEQUENCE_CLASSIFICATION:
+                return DeviceResult(out.logits.float(), prepared.errors)
+            hidden = out.last_hidden_state.float()
+            if self.pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                mask = feeds["attention_mask"].to(torch.float32).unsqueeze(-1)
+                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            if self.normalize:
+                pooled = F.normalize(pooled, p=2, dim=1)
+            return DeviceResult(pooled, prepared.errors)
+
+    def postprocess(self, raw: DeviceResult) -> dict[str, np.ndarray]:
+        values = raw.values.cpu().numpy()
+        result: dict[str, np.ndarray] = {}
+        for name in self.output_names:
+            if name in ("EMBEDDING", "LOGITS"):
+                result[name] = values
+            elif name == "PROBABILITIES":
+                result[name] = _probabilities(values, self.multi_label)
+            elif name == "LABEL":
+                best = values.argmax(axis=1) if values.size else np.zeros(0, dtype=np.int64)
+                labels = [self.labels[i].encode("utf-8") for i in best]
+                result[name] = np.array(labels, dtype=object).reshape(-1, 1)
+        return RowErrors(result, raw.errors) if raw.errors else result
+
+    def unload(self) -> None:
+        self.model = None
+        self.tokenizer = None
+
+
+def _pooling(pooling: str, normalize: bool | None, info: FolderInfo) -> tuple[str, bool]:
+    """Resolve ``auto`` pooling and unset ``normalize`` from the sentence-transformers files.
+
+    Raises:
+        ConfigError: the folder's pooling mode is one this backend does not compute.
+    """
+    if pooling == "auto":
+        pooling = info.st_pooling or "mean"
+        if pooling not in ("mean", "cls"):
+            raise ConfigError(
+                f"{info.path}: sentence-transformers pooling {pooling!r} is not supported "
+                "(mean or cls); set huggingface.pooling"
+            )
+    return pooling, info.st_normalize if normalize is None else normalize
+
+
+def _max_length(configured: int | None, info: FolderInfo, tokenizer: Any) -> int:
+    """``max_length`` from config, sentence-transformers, the tokenizer, capped by positions."""
+    if configured is not None:
+        length = configured
+    elif info.st_max_seq_length is not None:
+        length = info.st_max_seq_length
+    else:
+        limit = int(getattr(tokenizer, "model_max_length", _NO_LIMIT) or _NO_LIMIT)
+        length = limit if limit < _NO_LIMIT else _DEFAULT_MAX_LENGTH
+    if info.max_positions is not None and length > info.max_positions:
+        if configured is not None:
+            raise ConfigError(
+                f"huggingface.max_length {configured} exceeds the model's "
+                f"max_position_embeddings {info.max_positions}"
+            )
+        length = info.max_positions
+    return length
+
+
+def _probabilities(logits: np.ndarray, multi_label: bool) -> np.ndarray:
+    """Softmax over labels (sigmoid per label for multi-label models), float32."""
+    if multi_label:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    shifted = logits - logits.max(axis=1, keepdims=True) if logits.size else logits
+    exp = np.exp(shifted)
+    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)

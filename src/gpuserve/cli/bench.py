@@ -1,0 +1,226 @@
+"""``gpuserve bench``: a load generator for any KServe V2 server (gpuserve, Triton, others).
+
+    gpuserve bench --model text_embedding --concurrency 1:64:x2
+    gpuserve bench --model simple --request-rate 100:800:+100 --arrival poisson
+    gpuserve bench --model simple --protocol grpc --grpc-url 127.0.0.1:8001 --tensor-format binary
+
+Writes a table to stdout and ``bench.json``, ``bench.csv`` and ``bench.png`` (latency against
+throughput) to ``--output-dir``. Exit status: 0 done, 1 no request succeeded, 2 bad arguments
+or the server/model could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, *, default_concurrency: str) -> None:
+    """Measurement flags shared by ``bench`` and ``tune``."""
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"closed-loop workers: N, N,M,... or START:END:xF / START:END:+N "
+        f"(default {default_concurrency})",
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="rows per request (default 1)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME:DIMS",
+        help="non-batch dims of a variable input, e.g. INPUT0:16 (repeatable)",
+    )
+    parser.add_argument("--warmup-s", type=float, default=None, help="warm-up per level, seconds")
+    parser.add_argument("--window-s", type=float, default=None, help="measurement window, seconds")
+    parser.add_argument(
+        "--stable-windows", type=int, default=3, help="windows that must agree (default 3)"
+    )
+    parser.add_argument(
+        "--tolerance-pct",
+        type=float,
+        default=None,
+        help="allowed spread of throughput and mean latency across them",
+    )
+    parser.add_argument(
+        "--max-windows",
+        type=int,
+        default=None,
+        help="most windows per level before reporting it unstable",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=30.0,
+        help="a request unanswered this long is a timeout error (default 30)",
+    )
+
+
+def register(sub: Any) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="load-test a KServe V2 server: latency percentiles, throughput, queue/compute",
+        description=__doc__.split("\n\n")[0],
+    )
+    bench.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="HTTP base URL of the server (default http://127.0.0.1:8000)",
+    )
+    bench.add_argument("-m", "--model", help="model name (default: the server's only model)")
+    bench.add_argument("--model-version", help="version (default: the server's choice)")
+    bench.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    bench.add_argument("--grpc-url", default="127.0.0.1:8001", help="gRPC host:port")
+    bench.add_argument(
+        "--tensor-format",
+        choices=["json", "binary"],
+        default=None,
+        help="json tensors or the binary extension / raw contents "
+        "(default: json over HTTP, binary over gRPC)",
+    )
+    add_load_arguments(bench, default_concurrency="1:64:x2")
+    bench.add_argument(
+        "--request-rate",
+        default=None,
+        help="open loop instead: requests/s, e.g. 200 or 100:800:+100",
+    )
+    bench.add_argument(
+        "--arrival",
+        choices=["constant", "poisson"],
+        default="constant",
+        help="open-loop arrival process (default constant)",
+    )
+    bench.add_argument(
+        "--max-connections",
+        type=int,
+        default=512,
+        help="open loop: most requests in flight (default 512)",
+    )
+    bench.add_argument(
+        "--input-data", type=Path, help="JSON file of requests ({'data': [{INPUT: values}, ...]})"
+    )
+    bench.add_argument(
+        "--metrics-url", help="Prometheus endpoint with GPU series (default URL/metrics)"
+    )
+    bench.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("gpuserve-bench"),
+        help="where bench.json, bench.csv and bench.png go",
+    )
+    bench.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace, **defaults: float) -> Any:
+    from gpuserve.bench.loadgen import LoadSettings
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name, None)
+        return defaults[name] if value is None else value
+
+    return LoadSettings(
+        warmup_s=pick("warmup_s"),
+        window_s=pick("window_s"),
+        stable_windows=args.stable_windows,
+        tolerance=pick("tolerance_pct") / 100.0,
+        max_windows=int(pick("max_windows")),
+        timeout_s=args.timeout_s,
+        arrival=getattr(args, "arrival", "constant"),
+        max_connections=getattr(args, "max_connections", 512),
+    )
+
+
+def progress_hooks(quiet: bool, levels: list[float], unit: str) -> tuple[Any, Any, Any]:
+    """A rich progress bar on stderr: (context manager, on_window, on_level)."""
+    import contextlib
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if quiet:
+        return contextlib.nullcontext(), None, None
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} levels"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    task = progress.add_task("starting", total=len(levels))
+
+    def on_window(level: float, index: int, window: Any) -> None:
+        progress.update(
+            task,
+            description=f"{unit} {level:g} window {index}: {window.throughput:.1f} infer/s, "
+            f"p99 {window.latency_ms[99]:.1f} ms",
+        )
+
+    def on_level(result: Any) -> None:
+        progress.advance(task)
+
+    return progress, on_window, on_level
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gpuserve.bench.benchmark import BenchConfig, run_benchmark
+    from gpuserve.bench.report import render_table, write_all
+    from gpuserve.bench.server_info import ServerError
+    from gpuserve.bench.spec import parse_levels, parse_shapes
+
+    err = Console(stderr=True)
+    if args.concurrency and args.request_rate:
+        err.print("gpuserve bench: give --concurrency or --request-rate, not both")
+        return 2
+    try:
+        if args.request_rate:
+            mode, levels = "rate", parse_levels(args.request_rate, integer=False)
+        else:
+            mode, levels = "concurrency", parse_levels(args.concurrency or "1:64:x2")
+        shapes = parse_shapes(args.shape)
+    except ValueError as error:
+        err.print(f"gpuserve bench: {error}")
+        return 2
+    if args.batch_size < 1:
+        err.print("gpuserve bench: --batch-size must be >= 1")
+        return 2
+    settings = settings_from_args(
+        args, warmup_s=1.0, window_s=2.0, tolerance_pct=10.0, max_windows=8
+    )
+    binary = (args.tensor_format or ("binary" if args.protocol == "grpc" else "json")) == "binary"
+    config = BenchConfig(
+        url=args.url,
+        model=args.model,
+        version=args.model_version,
+        protocol=args.protocol,
+        grpc_url=args.grpc_url,
+        binary=binary,
+        mode=mode,  # type: ignore[arg-type]
+        levels=levels,
+        batch_size=args.batch_size,
+        shapes=shapes,
+        input_data=args.input_data,
+        metrics_url=args.metrics_url,
+        settings=settings,
+    )
+    unit = "concurrency" if mode == "concurrency" else "rate"
+    progress, on_window, on_level = progress_hooks(
+        args.quiet or not sys.stderr.isatty(), levels, unit
+    )
+    try:
+        with progress:
+            result = run_benchmark(config, on_window=on_window, on_level=on_level)
+    except (ServerError, ValueError, RuntimeError) as error:
+        err.print(f"gpuserve bench: {error}")
+        return 2
+    Console().print(render_table(result))
+    paths = write_all(result, args.output_dir, plot=not args.no_plot)
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0 if any(level.summary.ok for level in result.levels) else 1

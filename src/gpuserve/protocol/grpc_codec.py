@@ -1,0 +1,342 @@
+"""KServe V2 inference over gRPC: ``ModelInferRequest`` to :class:`InferenceRequest` and back.
+
+Wire format (Open Inference Protocol, gRPC, ``inference.GRPCInferenceService``):
+
+* Each input carries its data either as typed values in ``contents`` (the one field of its
+  datatype: ``int_contents`` for INT8/INT16/INT32, ``int64_contents`` for INT64,
+  ``fp32_contents`` for FP32, ``bytes_contents`` for BYTES, ...) or as raw bytes in the
+  request's ``raw_input_contents``, one entry per input in the order of ``inputs``
+  (little-endian, row-major; each BYTES element preceded by its 4-byte little-endian length).
+* Outputs always go back as ``raw_output_contents`` in the order of ``outputs``, which is what
+  ``tritonclient.grpc`` reads.
+
+Validation is the code the HTTP codec uses (:mod:`gpuserve.protocol.tensors`): the datatype must
+equal the declared one, the shape must fit the declared shape, and the element count or byte
+size must match the shape; messages name the input, what was received and what was expected.
+
+Policies (those of Triton where Triton has one):
+
+* ``raw_input_contents`` is all or none: when used it holds exactly one entry per input, and
+  no input may also carry ``contents``.
+* Typed values must be in the field of the tensor's datatype (INT64 values in
+  ``int_contents`` are refused, never widened); INT8/INT16/UINT8/UINT16 values are checked
+  against their range. FP16 has no typed field: it travels in ``raw_input_contents`` only.
+* Request parameters: ``priority`` (1 = highest) and ``timeout`` (queue timeout,
+  microseconds; 0 = the model's default), as non-negative integers; others are kept in
+  :attr:`InferenceRequest.parameters` and otherwise ignored. Shared-memory and
+  classification parameters are refused (not supported).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpuserve.datatypes import NUMPY_DTYPES
+from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.errors import BackendError, InvalidInputError
+from gpuserve.protocol.binary import bytes_elements, serialize_bytes
+from gpuserve.protocol.http_codec import _fixed_size_output
+from gpuserve.protocol.protos import grpc_service_pb2 as pb
+from gpuserve.protocol.shapes import (
+    check_datatype,
+    check_shape,
+    element_count,
+    format_shape,
+    show,
+    validate_request_shapes,
+)
+from gpuserve.protocol.tensors import build_input
+
+if TYPE_CHECKING:
+    from gpuserve.config import ModelConfig, TensorSpec
+
+#: How messages name the size of a raw input.
+RAW_SIZE_LABEL = "raw_input_contents size"
+
+#: V2 datatype -> the ``InferTensorContents`` field that carries its typed values.
+CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_FIELDS = tuple(dict.fromkeys(CONTENTS_FIELD.values()))
+#: Datatypes narrower than their contents field: values are range-checked.
+_NARROW = {
+    name: (int(np.iinfo(NUMPY_DTYPES[name]).min), int(np.iinfo(NUMPY_DTYPES[name]).max))
+    for name in ("INT8", "INT16", "UINT8", "UINT16")
+}
+_UNSUPPORTED_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+def parameter_value(param: pb.InferParameter) -> Any:
+    """The Python value of an ``InferParameter`` (None when no choice is set)."""
+    choice = param.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(param, choice)
+
+
+def _spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
+    for spec in specs:
+        if spec.name == name:
+            return spec
+    return None
+
+
+def _names(specs: list[TensorSpec]) -> str:
+    return ", ".join(repr(spec.name) for spec in specs)
+
+
+def _reject_unsupported(params: Any, where: str) -> None:
+    for key in _UNSUPPORTED_PARAMS:
+        if key in params:
+            raise InvalidInputError(f"{where}: parameter {key!r}: shared memory is not supported")
+
+
+def _non_negative_int(params: dict[str, Any], key: str) -> int | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise InvalidInputError(
+            f"request parameter {key!r} must be a non-negative integer, got {show(value)}"
+        )
+    return value
+
+
+def _used_fields(contents: pb.InferTensorContents) -> list[str]:
+    return [field for field in _FIELDS if len(getattr(contents, field))]
+
+
+def array_from_contents(
+    spec: TensorSpec, name: str, shape: tuple[int, ...], contents: pb.InferTensorContents
+) -> np.ndarray:
+    """Build an input array from typed ``contents`` (datatype and shape already validated).
+
+    Args:
+        spec: The declared input.
+        name: Input name, for messages.
+        shape: The validated request shape.
+        contents: The input's ``contents`` message.
+
+    Returns:
+        An array of the declared dtype with ``shape`` (BYTES: ``object`` array of ``bytes``).
+
+    Raises:
+        InvalidInputError: values in another field than the datatype's, a datatype with no
+            typed field (FP16), an element count that differs from the shape's, or a value
+            out of range for INT8/INT16/UINT8/UINT16.
+    """
+    datatype = spec.datatype
+    want = CONTENTS_FIELD.get(datatype)
+    used = _used_fields(contents)
+    count = element_count(shape)
+    if want is None:
+        raise InvalidInputError(
+            f"input {name!r}: {datatype} has no typed contents field; send its data in "
+            f"raw_input_contents"
+        )
+    if len(used) > 1:
+        raise InvalidInputError(
+            f"input {name!r}: data is in several contents fields ({', '.join(used)}); "
+            f"{datatype} data goes in contents.{want} only"
+        )
+    if used and used[0] != want:
+        raise InvalidInputError(
+            f"input {name!r}: {datatype} data must be in contents.{want}, got contents.{used[0]}"
+        )
+    values = getattr(contents, want)
+    if len(values) != count:
+        if not used:
+            raise InvalidInputError(
+                f"input {name!r}: no data: shape {format_shape(shape)} needs {count} elements "
+                f"in contents.{want} or raw_input_contents"
+            )
+        raise InvalidInputError(
+            f"input {name!r}: shape {format_shape(shape)} needs {count} elements, got "
+            f"{len(values)} in contents.{want}"
+        )
+    array: np.ndarray
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+    elif datatype in _NARROW:
+        wide = np.fromiter(values, dtype=np.int64, count=count)
+        low, high = _NARROW[datatype]
+        bad = np.flatnonzero((wide < low) | (wide > high))
+        if bad.size:
+            index = int(bad[0])
+            raise InvalidInputError(
+                f"input {name!r}: element {index} ({int(wide[index])}) is out of range for "
+                f"{datatype} ({low}..{high})"
+            )
+        array = wide.astype(NUMPY_DTYPES[datatype])
+    else:
+        array = np.fromiter(values, dtype=NUMPY_DTYPES[datatype], count=count)
+    try:
+        return array.reshape(shape)
+    except ValueError as err:  # an empty tensor whose other dims exceed numpy's limits
+        raise InvalidInputError(
+            f"input {name!r}: shape {format_shape(shape)} cannot be represented: {err}"
+        ) from None
+
+
+def _decode_outputs(outputs: Any, config: ModelConfig, model_name: str) -> list[str] | None:
+    names: list[str] = []
+    for item in outputs:
+        name = item.name
+        if _spec(config.outputs, name) is None:
+            raise InvalidInputError(
+                f"output {name!r} is not an output of model {model_name!r}; its outputs "
+                f"are {_names(config.outputs)}"
+            )
+        if name in names:
+            raise InvalidInputError(f"output {name!r} is requested more than once")
+        params = item.parameters
+        if params:
+            _reject_unsupported(params, f"output {name!r}")
+            if "classification" in params:
+                raise InvalidInputError(
+                    f"output {name!r}: parameter 'classification' is not supported"
+                )
+        names.append(name)
+    return names or None
+
+
+def decode_infer_request(
+    message: pb.ModelInferRequest,
+    config: ModelConfig,
+    model_name: str,
+    model_version: str | None,
+) -> InferenceRequest:
+    """Validate a ``ModelInferRequest`` and build the engine's request.
+
+    Args:
+        message: The request as received.
+        config: The target model's configuration.
+        model_name: Target model.
+        model_version: Target version, or None for the default version.
+
+    Returns:
+        The request; raw fixed-size inputs are zero-copy, read-only views of the message's
+        ``raw_input_contents`` bytes.
+
+    Raises:
+        InvalidInputError: anything wrong with the request; the message names the field, the
+            value received and what is expected.
+    """
+    inputs = message.inputs
+    if not inputs:
+        raise InvalidInputError(
+            f"'inputs' is empty; model {model_name!r} expects {_names(config.inputs)}"
+        )
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(inputs):
+        raise InvalidInputError(
+            f"raw_input_contents has {len(raw)} entries for {len(inputs)} inputs; when it is "
+            f"used it must hold one entry per input, in the order of 'inputs'"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(inputs):
+        name = tensor.name
+        spec = _spec(config.inputs, name)
+        if spec is None:
+            raise InvalidInputError(
+                f"input {name!r} is not an input of model {model_name!r}; its inputs are "
+                f"{_names(config.inputs)}"
+            )
+        if name in arrays:
+            raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")
+        if tensor.parameters:
+            _reject_unsupported(tensor.parameters, f"input {name!r}")
+        datatype = tensor.datatype or None
+        shape = list(tensor.shape)
+        if raw:
+            if tensor.HasField("contents") and _used_fields(tensor.contents):
+                raise InvalidInputError(
+                    f"input {name!r} has both contents and raw_input_contents; send one or "
+                    f"the other"
+                )
+            arrays[name] = build_input(
+                spec,
+                name,
+                datatype,
+                shape,
+                raw=raw[index],
+                config=config,
+                size_label=RAW_SIZE_LABEL,
+            )
+            continue
+        check_datatype(spec, name, datatype)
+        dims = check_shape(spec, name, shape, config.max_batch_size)
+        arrays[name] = array_from_contents(spec, name, dims, tensor.contents)
+    validate_request_shapes({name: array.shape for name, array in arrays.items()}, config)
+
+    params = {key: parameter_value(value) for key, value in message.parameters.items()}
+    priority = 0
+    timeout_us = None
+    if params:
+        priority = _non_negative_int(params, "priority") or 0
+        timeout_us = _non_negative_int(params, "timeout") or None
+    return InferenceRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=arrays,
+        requested_outputs=_decode_outputs(message.outputs, config, model_name),
+        id=message.id or None,
+        parameters=params,
+        priority=priority,
+        timeout_us=timeout_us,
+    )
+
+
+def encode_infer_response(
+    response: InferenceResponse, config: ModelConfig
+) -> pb.ModelInferResponse:
+    """Encode the engine's response; every output goes in ``raw_output_contents``.
+
+    Args:
+        response: The engine's result; outputs are encoded in its dict order.
+        config: The model's configuration (declared output datatypes).
+
+    Raises:
+        BackendError: an output the model does not declare, a dtype that cannot be cast to
+            the declared datatype, or a BYTES output that is not bytes/str.
+    """
+    tensors: list[pb.ModelInferResponse.InferOutputTensor] = []
+    payloads: list[bytes] = []
+    for name, array in response.outputs.items():
+        spec = _spec(config.outputs, name)
+        if spec is None:
+            raise BackendError(
+                f"model returned output {name!r}, which it does not declare "
+                f"(declared: {_names(config.outputs)})"
+            )
+        if not isinstance(array, np.ndarray):
+            raise BackendError(
+                f"output {name!r}: the model returned a {type(array).__name__}, not an array"
+            )
+        datatype = spec.datatype
+        if datatype == "BYTES":
+            payloads.append(serialize_bytes(bytes_elements(array, name), name))
+        else:
+            payloads.append(_fixed_size_output(array, datatype, name).tobytes())
+        tensors.append(
+            pb.ModelInferResponse.InferOutputTensor(name=name, datatype=datatype, shape=array.shape)
+        )
+    return pb.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=response.model_version,
+        id=response.id or "",
+        outputs=tensors,
+        raw_output_contents=payloads,
+    )

@@ -1,0 +1,100 @@
+"""Imports point one way (STYLE.md habit 1): the engine never imports the server, the metrics
+layer, prometheus_client, gRPC or the HTTP stack; backends never import the engine or the
+server. Checked statically (every import statement, including function-local ones and
+``TYPE_CHECKING`` blocks) and at run time (what importing the engine pulls in)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpuserve
+
+PACKAGE = Path(gpuserve.__file__).parent
+
+FORBIDDEN = {
+    "engine": (
+        "gpuserve.server",
+        "gpuserve.metrics",
+        "gpuserve.cli",
+        "prometheus_client",
+        "grpc",
+        "uvicorn",
+        "httptools",
+    ),
+    "backends": ("gpuserve.engine", "gpuserve.server", "gpuserve.metrics", "gpuserve.cli"),
+}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Absolute names of every module imported by the file at ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.append((node.lineno, module))
+            names.extend((node.lineno, f"{module}.{alias.name}") for alias in node.names)
+    return names
+
+
+def violations(layer: str) -> list[str]:
+    found = []
+    for path in sorted((PACKAGE / layer).rglob("*.py")):
+        for line, module in imported_modules(path):
+            for banned in FORBIDDEN[layer]:
+                if module == banned or module.startswith(banned + "."):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}")
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_point_one_way(layer):
+    assert (PACKAGE / layer).is_dir()
+    assert violations(layer) == []
+
+
+def test_the_check_sees_relative_and_local_imports(tmp_path, monkeypatch):
+    fake = tmp_path / "gpuserve"
+    (fake / "engine").mkdir(parents=True)
+    (fake / "engine" / "bad.py").write_text(
+        "from ..server import status\n"
+        "def f():\n"
+        "    import prometheus_client\n"
+        "    from gpuserve.metrics.series import ServerMetrics\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    lines = {entry.split(":")[1].split()[0] for entry in violations("engine")}
+    assert lines == {"1", "3", "4"}
+
+
+def test_importing_the_engine_loads_no_server_or_metrics_module():
+    modules = [
+        f"gpuserve.engine.{p.stem}"
+        for p in sorted((PACKAGE / "engine").glob("*.py"))
+        if p.stem != "__init__"
+    ]
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "banned = ('gpuserve.server', 'gpuserve.metrics', 'prometheus_client', 'grpc', "
+        "'uvicorn', 'httptools')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in banned "
+        "or m.startswith(banned[:2])))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
