@@ -10,6 +10,7 @@ Writes results/adaptive_batching-<date>.json/.md/.png.
 
 Usage: python benchmarks/adaptive_batching.py [--target-ms 50] [--concurrency 1:64:x2]
        [--model text_embedding] [--model-repository DIR] [--window-s 2]
+       [--server-cpus 1] [--client-cpus 0] [--torch-threads 1]   (as serve_vs_raw.py pins)
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from pathlib import Path
 import yaml
 
 from gpuserve.bench.benchmark import BenchConfig, run_benchmark
+from gpuserve.bench.candidate_server import CandidateServer
 from gpuserve.bench.loadgen import LevelResult, LoadSettings
 from gpuserve.bench.report import level_row, plot_latency_throughput
-from gpuserve.bench.spec import parse_levels
-from gpuserve.bench.tune import CandidateServer
+from gpuserve.bench.spec import parse_cpus, parse_levels
 from gpuserve.config import default_model_repository
 
 HERE = Path(__file__).resolve().parent
@@ -50,7 +51,14 @@ def interleaved(model_dir: Path, configs: dict[str, dict], args: argparse.Namesp
     results: dict[str, list[LevelResult]] = {label: [] for label in configs}
     with tempfile.TemporaryDirectory(prefix="adaptive-") as work:
         servers = {
-            label: CandidateServer(model_dir, data, Path(work), [])
+            label: CandidateServer(
+                model_dir,
+                data,
+                Path(work),
+                [],
+                args.server_cpus,
+                {"OMP_NUM_THREADS": str(args.torch_threads)},
+            )
             for label, data in configs.items()
         }
         try:
@@ -77,7 +85,12 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1:64:x2")
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--window-s", type=float, default=2.0)
+    parser.add_argument("--server-cpus", default="1", help="taskset list for the servers")
+    parser.add_argument("--client-cpus", default="0", help="CPUs of the load generator")
+    parser.add_argument("--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of servers")
     args = parser.parse_args()
+    if args.client_cpus:
+        os.sched_setaffinity(0, parse_cpus(args.client_cpus))
     model_dir = args.model_repository / args.model
     fixed = yaml.safe_load((model_dir / "config.yaml").read_text())
     adaptive = json.loads(json.dumps(fixed))

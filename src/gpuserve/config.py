@@ -11,6 +11,7 @@ the value given and what is allowed.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -185,6 +186,9 @@ class OptimizationConfig(_Strict):
             postprocess stages run on their own threads and overlap. 0 = auto: 3 on a GPU
             (CPU stages overlap device work), 1 on a CPU (the stages would compete for the
             same cores, and smaller batches would form).
+        gpu_memory_budget_mib: Most device memory one instance may hold after load and
+            warm-up (allocated by the caching allocator), MiB; an instance over it fails to
+            load with the numbers. 0 = no limit.
         cuda_graphs: Capture a CUDA graph per batch-size bucket and replay it.
         compile: Run the module through ``torch.compile`` with ``compile_mode`` and
             ``compile_backend`` (``inductor``; ``aot_eager`` traces without generating code).
@@ -192,6 +196,7 @@ class OptimizationConfig(_Strict):
     """
 
     pipeline_depth: int = Field(default=0, ge=0, le=8)
+    gpu_memory_budget_mib: int = Field(default=0, ge=0)
     cuda_graphs: bool = False
     compile: bool = False
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
@@ -286,6 +291,8 @@ class ModelConfig(_Strict):
         optimization: Graph capture / compile options.
         version_policy: Which versions are served.
         canary: Optional canary version and its traffic share (see ``CanaryConfig``).
+        execution_timeout_s: A batch still running after this many seconds marks its
+            instance hung: its requests fail with 500 and the instance is replaced. 0 = off.
         parameters: Free-form values handed to the model at load.
         onnx: ONNX Runtime session settings (backend ``onnx`` only).
         huggingface: Model folder and task (backend ``huggingface`` only).
@@ -302,6 +309,7 @@ class ModelConfig(_Strict):
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
     canary: CanaryConfig | None = None
+    execution_timeout_s: float = Field(default=0.0, ge=0)
     parameters: dict[str, Any] = Field(default_factory=dict)
     onnx: OnnxConfig = Field(default_factory=OnnxConfig)
     huggingface: HuggingFaceConfig = Field(default_factory=HuggingFaceConfig)
@@ -422,7 +430,24 @@ class ServerConfig(BaseSettings):
         disable_management: Refuse the repository's load/unload/rollback/canary endpoints
             (403); the index stays readable.
         management_token: When set, those endpoints need ``Authorization: Bearer <token>``
-            (401 without it).
+            (401 without it); setting it also enables them.
+        trace_dir: Where ``POST /v2/repository/models/{m}/trace`` writes ``torch.profiler``
+            traces (one sub-folder per call).
+        enable_management: Enable those endpoints in ``none`` mode. They are off unless
+            enabled: by this, by a management token, or by ``explicit``/``poll`` mode
+            (see :attr:`management_enabled`); ``disable_management`` always wins.
+        api_token: When set, every endpoint except health (``/v2/health/live``,
+            ``/v2/health/ready``, gRPC ServerLive/ServerReady and ``grpc.health.v1``),
+            ``/metrics`` and ``/v2/openapi.json`` needs ``Authorization: Bearer <token>``
+            (HTTP 401, gRPC UNAUTHENTICATED without it).
+        tls_cert_file: PEM certificate (chain) for HTTPS and gRPC over TLS; needs
+            ``tls_key_file``. None: plain HTTP and gRPC.
+        tls_key_file: PEM private key of ``tls_cert_file``.
+        max_header_bytes: Longest request line plus headers of one HTTP request (431 beyond),
+            and the gRPC metadata limit.
+        max_tensor_elements: Most elements in one input tensor (400 beyond, checked on the
+            shape before any data is read).
+        max_bytes_element_bytes: Longest element of a BYTES input, bytes (400 beyond).
     """
 
     model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
@@ -444,6 +469,39 @@ class ServerConfig(BaseSettings):
     strict_readiness: bool = False
     disable_management: bool = False
     management_token: SecretStr | None = None
+    trace_dir: Path = Field(
+        default_factory=lambda: Path(tempfile.gettempdir()) / "gpuserve-traces"
+    )
+    enable_management: bool = False
+    api_token: SecretStr | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_bytes_element_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                f"tls_cert_file ({self.tls_cert_file}) and tls_key_file ({self.tls_key_file}) "
+                "go together: give both or neither"
+            )
+        return self
+
+    @property
+    def management_enabled(self) -> bool:
+        """Whether the repository's load/unload/rollback/canary endpoints are on: off unless
+        enabled (``enable_management``, a ``management_token``, or ``explicit``/``poll``
+        mode, where the operator asked for a changing repository); ``disable_management``
+        always turns them off."""
+        if self.disable_management:
+            return False
+        return (
+            self.enable_management
+            or self.management_token is not None
+            or self.model_control_mode != "none"
+        )
 
     @field_validator("load_model", mode="before")
     @classmethod

@@ -41,11 +41,11 @@ def test_fits_the_linear_batch_cost():
     assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-6)
 
 
-def test_cap_is_the_largest_batch_that_fits_twice_in_the_budget():
-    policy = trained()  # budget 0.8 * 50 ms = 40 ms; 2 * (5 + 2n) <= 40 -> n <= 7.5
-    assert policy.best_cap() == 7
+def test_cap_is_the_largest_batch_that_fits_the_budget():
+    policy = trained()  # budget 0.8 * 50 ms = 40 ms; 5 + 2n <= 40 -> n <= 17.5
+    assert policy.best_cap() == 17
     decision = policy.decide(queued_rows=3)
-    assert decision.row_cap == 7
+    assert decision.row_cap == 17
 
 
 def test_before_any_measurement_the_configured_delay_is_kept_without_cap():
@@ -59,18 +59,22 @@ def test_a_lone_client_gets_no_delay():
     assert policy.decide(queued_rows=1).max_queue_delay_s == 0.0
 
 
-def test_delay_follows_gathering_time_within_what_the_budget_leaves():
-    policy = trained(target_s=0.100, spread_s=0.004)  # budget 80 ms, cap 17 (2*39 ms = 78)
-    decision = policy.decide(queued_rows=2)
-    assert decision.row_cap == 17
-    room = 0.080 - 2 * cost(17)
-    assert decision.max_queue_delay_s == pytest.approx(min(room, 1.5 * 0.004))
-    roomy = trained(target_s=0.100, spread_s=0.001)
-    assert roomy.decide(queued_rows=2).max_queue_delay_s == pytest.approx(0.0015, rel=1e-6)
+def test_delay_follows_gathering_time_up_to_the_batch_overhead():
+    # max batch 8: cap 8 (no cap needed), c(8) = 21 ms leaves 19 ms of the 40 ms budget
+    gathering = trained(spread_s=0.002, max_batch=8).decide(queued_rows=2)
+    assert gathering.row_cap is None
+    assert gathering.max_queue_delay_s == pytest.approx(1.5 * 0.002)
+    slow = trained(spread_s=0.010, max_batch=8).decide(queued_rows=2)
+    assert slow.max_queue_delay_s == pytest.approx(A)  # never wait longer than a batch costs
+    tight = AdaptiveBatching(0.050, 64)  # batches of 16 are typical: c = 37 ms, 3 ms left
+    for _ in range(30):
+        for rows in (15, 16, 17):
+            tight.observe_values(rows, 0.010, cost(rows))
+    assert tight.decide(queued_rows=2).max_queue_delay_s == pytest.approx(0.003, rel=0.15)
 
 
 def test_a_backlog_lifts_the_cap_and_the_delay():
-    decision = trained().decide(queued_rows=20)
+    decision = trained(spread_s=0.002).decide(queued_rows=18)
     assert decision.row_cap is None and decision.max_queue_delay_s == 0.0
 
 
@@ -97,28 +101,28 @@ def test_old_batches_fade_from_the_fit():
 
 
 def test_the_batcher_obeys_the_policy_on_a_fake_clock():
-    """Requests trickle in 1.5 ms apart; a fixed 50 ms delay would hold the first for 50 ms,
-    the adaptive batcher waits only the ~2 ms the budget leaves."""
-    batcher = DynamicBatcher(max_batch_size=64, max_queue_delay_s=0.050)
-    policy = trained(target_s=0.050, spread_s=0.010)  # cap 7, delay min(~2 ms, 15 ms)
+    """Requests trickle in 2 ms apart; a fixed 50 ms delay would hold the first for 50 ms,
+    the adaptive batcher waits only as long as a batch's overhead (5 ms)."""
+    batcher = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.050)
+    policy = trained(spread_s=0.010, max_batch=8)  # delay min(15 ms, a = 5 ms, 19 ms)
     results = []
-    for now in (0.0, 0.0015, 0.0030):
+    for now in (0.0, 0.002, 0.004, 0.006):
         batcher.add(item(now))
         policy.apply(batcher)
         results.append(batcher.next_batch(now))
-    assert batcher.max_queue_delay_s == pytest.approx(0.002)
-    assert results[0] is None and results[1] is None
-    assert results[2] is not None and results[2].rows == 3
+    assert batcher.max_queue_delay_s == pytest.approx(0.005)
+    assert results[:3] == [None, None, None]
+    assert results[3] is not None and results[3].rows == 4
 
 
 def test_the_cap_sends_full_batches_without_waiting():
     batcher = DynamicBatcher(max_batch_size=64, max_queue_delay_s=1.0)
-    policy = trained()  # cap 7
-    for i in range(7):
+    policy = trained(spread_s=0.010)  # cap 17
+    for i in range(17):
         batcher.add(item(0.0001 * i))
     policy.apply(batcher)
-    batch = batcher.next_batch(0.001)
-    assert batch is not None and batch.rows == 7
+    batch = batcher.next_batch(0.002)
+    assert batch is not None and batch.rows == 17
 
 
 def test_observe_reads_rows_and_gathering_time_from_the_batch():

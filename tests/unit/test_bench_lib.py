@@ -351,3 +351,28 @@ def test_gpu_series_are_read_from_the_exposition():
     assert summary["gpu_utilization"] == pytest.approx((1.0 + 1.4 + 1.8) / 3)
     assert summary["gpu_memory_used_bytes"] == pytest.approx(6e9)
     assert gpu_summary(GpuSampler().means()) == {}
+
+
+def test_a_request_past_its_timeout_fails_and_drops_the_connection():
+    from gpuserve.bench.inputs import TensorInfo
+    from gpuserve.bench.targets import HttpTarget
+
+    async def main():
+        model = ModelInfo("m", None, [TensorInfo("X", "FP32", [-1, 2])], [], batching=True)
+        target = HttpTarget("http://127.0.0.1:1", model, generate_samples(model, count=1),
+                            timeout_s=0.5)  # fmt: skip
+        session = await target.session()
+        conn = HttpConnection()
+        transport = FakeTransport()
+        conn.connection_made(transport)
+        session.conn = conn
+        pending = asyncio.ensure_future(session.infer(0))
+        await asyncio.sleep(0)
+        target.check_timeouts(session.started_s + 0.1)  # not yet
+        assert not pending.done()
+        target.check_timeouts(session.started_s + 1.0)
+        with pytest.raises(TimeoutError):
+            await pending
+        assert transport.closed and session.started_s == 0.0
+
+    asyncio.run(main())

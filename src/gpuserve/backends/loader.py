@@ -26,11 +26,15 @@ def import_module_from_path(path: Path, model_name: str, version: int) -> Module
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as a normal import would be: dataclasses, pickling and
+    # typing.get_type_hints look the module up by name. A reload replaces the entry.
+    sys.modules[module_name] = module
     folder = str(path.parent)
     sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except Exception as err:  # user code: any failure is a load failure with its cause
+        sys.modules.pop(module_name, None)
         raise ConfigError(f"{path}: import failed: {type(err).__name__}: {err}") from err
     finally:
         with contextlib.suppress(ValueError):

@@ -106,6 +106,7 @@ class TorchBackend(Backend):
     def load(self, context: LoadContext) -> None:
         config = context.config
         self.device = torch.device(context.device)
+        self._memory_before = device_memory(self.device)
         self.dtype = context.torch_dtype
         self.input_names = [spec.name for spec in config.inputs]
         self.outputs = [(spec.name, numpy_dtype(spec.datatype)) for spec in config.outputs]
@@ -212,7 +213,17 @@ class TorchBackend(Backend):
                     err,
                 )
                 self.runner = self.module
-        self.memory = device_memory(self.device)
+        after = device_memory(self.device)
+        before = getattr(self, "_memory_before", {})
+        self.memory = {key: value - before.get(key, 0) for key, value in after.items()}
+        budget_mib = config.optimization.gpu_memory_budget_mib
+        used_mib = self.memory["allocated_bytes"] / 2**20
+        if budget_mib and self.device.type == "cuda" and used_mib > budget_mib:
+            raise ConfigError(
+                f"model {config.name} on {self.device}: {used_mib:.0f} MiB allocated after load "
+                f"and warm-up ({self.memory['reserved_bytes'] / 2**20:.0f} MiB reserved) exceeds "
+                f"optimization.gpu_memory_budget_mib={budget_mib}"
+            )
         if self.device.type == "cuda":
             logger.info(
                 "model %s on %s: %.1f MiB allocated, %.1f MiB reserved",

@@ -100,6 +100,13 @@ class HttpConnection(asyncio.Protocol):
         self._transport.write(raw)
         return waiter
 
+    def abort(self, exc: Exception) -> None:
+        """Fail the request in flight (if any) with ``exc`` and drop the connection."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        self.close()
+
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()

@@ -86,3 +86,24 @@ def parse_shapes(items: list[str]) -> dict[str, list[int]]:
             raise ValueError(f"--shape {item!r}: dims must be >= 0")
         shapes[name] = values
     return shapes
+
+
+def parse_cpus(text: str) -> set[int]:
+    """A CPU list as taskset writes it: ``"0"``, ``"0,2"``, ``"2-7"``.
+
+    Raises:
+        ValueError: malformed list.
+    """
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, sep, high = part.partition("-")
+        if sep:
+            cpus.update(range(int(low), int(high) + 1))
+        else:
+            cpus.add(int(low))
+    if not cpus:
+        raise ValueError(f"{text!r}: no CPUs")
+    return cpus

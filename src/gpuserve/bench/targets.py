@@ -127,12 +127,7 @@ class HttpTarget:
         for session in self.sessions:
             started = session.started_s
             if started and now - started > self.timeout_s and session.conn is not None:
-                conn = session.conn
-                waiter = conn._waiter
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(TimeoutError("no answer in time"))
-                    conn._waiter = None
-                conn.close()
+                session.conn.abort(TimeoutError("no answer in time"))
 
     async def close(self) -> None:
         for session in self.sessions:

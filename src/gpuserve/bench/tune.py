@@ -19,15 +19,8 @@ the winner is the best mean; the current configuration stays unless something be
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,6 +29,7 @@ from typing import Any
 import yaml
 
 from gpuserve.bench.benchmark import BenchConfig, BenchResult, run_benchmark
+from gpuserve.bench.candidate_server import CandidateServer
 from gpuserve.bench.loadgen import LevelResult, LoadSettings
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, parse_model_config
 
@@ -203,6 +197,8 @@ class TuneSettings:
         batch_size: Rows per request.
         server_args: Extra ``gpuserve serve`` arguments.
         ready_timeout_s: How long a candidate's server may take to become ready.
+        server_cpus: Pin each candidate's server to these CPUs (``taskset -c`` list).
+        server_env: Extra environment of each candidate's server.
     """
 
     latency_budget_ms: float
@@ -219,6 +215,8 @@ class TuneSettings:
     batch_size: int = 1
     server_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 300.0
+    server_cpus: str | None = None
+    server_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,78 +229,6 @@ class TuneResult:
     elapsed_s: float
     stopped_by_budget: bool
     config: dict[str, Any]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class CandidateServer:
-    """``gpuserve serve`` on a temporary one-model repository with a candidate's config."""
-
-    def __init__(
-        self, model_dir: Path, data: dict[str, Any], work_dir: Path, extra_args: list[str]
-    ) -> None:
-        self.repo = Path(tempfile.mkdtemp(prefix="candidate-", dir=work_dir))
-        target = self.repo / model_dir.name
-        target.mkdir()
-        for entry in model_dir.iterdir():
-            if entry.name != CONFIG_FILENAME:
-                (target / entry.name).symlink_to(entry.resolve())
-        (target / CONFIG_FILENAME).write_text(yaml.safe_dump(data, sort_keys=False))
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = self.repo / "server.log"
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "gpuserve", "serve",
-                "--model-repository", str(self.repo),
-                "--host", "127.0.0.1",
-                "--http-port", str(self.port),
-                "--grpc-port", "-1",
-                "--metrics-port", "-1",
-                "--log-level", "warning",
-                *extra_args,
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ},
-        )  # fmt: skip
-
-    def wait_ready(self, timeout_s: float, model: str) -> None:
-        """Raises RuntimeError (with the server's last output) if it is not ready in time."""
-        end = time.monotonic() + timeout_s
-        url = f"{self.url}/v2/models/{model}/ready"
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"model not ready after {timeout_s:.0f} s: {self.tail()}")
-
-    def tail(self, lines: int = 6) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(text[-lines:]) or "(no output)"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        shutil.rmtree(self.repo, ignore_errors=True)
 
 
 class Tuner:
@@ -369,7 +295,12 @@ class Tuner:
         budget = settings.latency_budget_ms
         with tempfile.TemporaryDirectory(prefix="gpuserve-tune-") as work:
             server = CandidateServer(
-                self.model_dir, candidate.apply(self.raw), Path(work), settings.server_args
+                self.model_dir,
+                candidate.apply(self.raw),
+                Path(work),
+                settings.server_args,
+                settings.server_cpus,
+                settings.server_env,
             )
             try:
                 server.wait_ready(settings.ready_timeout_s, self.model)

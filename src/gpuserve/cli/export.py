@@ -20,8 +20,8 @@ ignores, and renamed into place at the end.
 A ``python``-backend model exports itself when its ``Model`` class defines
 ``export_onnx(config, version_path, folder, *, fp16, opset)``: the hook writes the new
 version's files into ``folder`` (``model.onnx`` and whatever serves it, e.g. a tokenizer and a
-``model.py``) and returns an object with ``backend`` (of the written model), ``config_yaml``,
-``max_abs_diff`` and ``note``. The default ``text_embedding`` model has one (see
+``model.py``) and returns an object with ``config_yaml`` (of the new model, whose backend is
+``python``), ``max_abs_diff`` and ``note``. The default ``text_embedding`` model has one (see
 :mod:`gpuserve.models.text_embedding_onnx`): its export is a ``python`` model that tokenises
 and runs the graph on ONNX Runtime.
 """

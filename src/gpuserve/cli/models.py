@@ -8,6 +8,7 @@
     gpuserve models canary MODEL --version N --weight W [--url URL]
     gpuserve models promote MODEL [--url URL]
     gpuserve models abort MODEL [--url URL]
+    gpuserve models trace MODEL [--batches N] [--url URL]
 
 Server calls go to the HTTP repository API (``--url``, default ``$GPUSERVE_URL`` or
 ``http://localhost:8000``) with ``--token`` (default ``$GPUSERVE_MANAGEMENT_TOKEN``) as the
@@ -34,6 +35,7 @@ _ACTIONS = {
     "canary": "canary",
     "promote": "canary/promote",
     "abort": "canary/abort",
+    "trace": "trace",
 }
 
 
@@ -67,6 +69,7 @@ def register(sub: Any) -> None:
         "canary": "send a share of the traffic to a version",
         "promote": "make the canary the default version",
         "abort": "end the canary",
+        "trace": "torch.profiler trace of the next batches (written to the server's trace_dir)",
     }
     for action, text in helps.items():
         parser = actions.add_parser(action, help=text)
@@ -81,6 +84,8 @@ def register(sub: Any) -> None:
         if action == "canary":
             parser.add_argument("--version", type=int, required=True)
             parser.add_argument("--weight", type=float, required=True, help="share 0..1")
+        if action == "trace":
+            parser.add_argument("--batches", type=int, default=1, help="batches to trace")
         parser.set_defaults(func=_manage, action=action)
 
 
@@ -140,6 +145,8 @@ def _manage(args: argparse.Namespace) -> int:
         body = {"parameters": {"config": json.dumps(config)}}
     if args.action == "canary":
         body = {"version": args.version, "weight": args.weight}
+    if args.action == "trace":
+        body = {"batches": args.batches}
     path = f"/v2/repository/models/{args.model}/{_ACTIONS[args.action]}"
     try:
         status, payload = _post(args, path, body)
@@ -150,6 +157,12 @@ def _manage(args: argparse.Namespace) -> int:
         message = payload.get("error") if isinstance(payload, dict) else payload
         print(f"gpuserve models {args.action} {args.model}: {status}: {message}", file=sys.stderr)
         return 1
+    if args.action == "trace":
+        print(
+            f"tracing {payload['batches']} batch(es) of {payload['model']} version "
+            f"{payload['version']} into <trace_dir>/{payload['trace']}"
+        )
+        return 0
     _print_status(payload)
     return 0
 

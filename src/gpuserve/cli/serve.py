@@ -18,6 +18,7 @@ from pydantic import ValidationError
 SERVE_FIELDS = ["model_repository", "host", "http_port", "log_level", "shutdown_timeout_s"]
 SERVE_FIELDS += ["metrics_port", "log_format", "access_log"]  # observability (metrics, logs)
 SERVE_FIELDS += ["grpc_port"]  # gRPC front end
+SERVE_FIELDS += ["trace_dir"]  # on-demand profiler traces
 SERVE_FIELDS += [  # model lifecycle
     "model_control_mode",
     "load_model",
@@ -26,6 +27,15 @@ SERVE_FIELDS += [  # model lifecycle
     "strict_readiness",
     "disable_management",
     "management_token",
+]
+SERVE_FIELDS += [  # security and limits
+    "enable_management",
+    "api_token",
+    "tls_cert_file",
+    "tls_key_file",
+    "max_header_bytes",
+    "max_tensor_elements",
+    "max_bytes_element_bytes",
 ]
 
 
@@ -55,6 +65,11 @@ def register(sub: Any) -> None:
         help="log one line per HTTP request (logger gpuserve.access; default off)",
     )
     serve.add_argument(
+        "--trace-dir",
+        type=Path,
+        help="where on-demand torch.profiler traces are written (default $TMPDIR/gpuserve-traces)",
+    )
+    serve.add_argument(
         "--metrics-port",
         type=int,
         help="port of a separate Prometheus /metrics listener (default 8002; 0 = a free "
@@ -66,7 +81,37 @@ def register(sub: Any) -> None:
         help="seconds in-flight requests may take to finish on SIGTERM (default 30)",
     )
     _lifecycle_flags(serve)
+    _security_flags(serve)
     serve.set_defaults(func=run)
+
+
+def _security_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--api-token",
+        help="bearer token every endpoint but health, /metrics and /v2/openapi.json requires "
+        "(or GPUSERVE_API_TOKEN; default none)",
+    )
+    serve.add_argument(
+        "--tls-cert-file",
+        type=Path,
+        help="PEM certificate: serve HTTPS and gRPC over TLS (needs --tls-key-file)",
+    )
+    serve.add_argument("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    serve.add_argument(
+        "--max-header-bytes",
+        type=int,
+        help="longest request line + headers (431 beyond) and gRPC metadata (default 65536)",
+    )
+    serve.add_argument(
+        "--max-tensor-elements",
+        type=int,
+        help="most elements in one input tensor (400 beyond; default 67108864)",
+    )
+    serve.add_argument(
+        "--max-bytes-element-bytes",
+        type=int,
+        help="longest element of a BYTES input (400 beyond; default 67108864)",
+    )
 
 
 def _lifecycle_flags(serve: argparse.ArgumentParser) -> None:
@@ -103,11 +148,18 @@ def _lifecycle_flags(serve: argparse.ArgumentParser) -> None:
         "--disable-management",
         action="store_true",
         default=None,
-        help="refuse the load/unload/rollback/canary endpoints (403)",
+        help="refuse the load/unload/rollback/canary endpoints (403), whatever enables them",
+    )
+    serve.add_argument(
+        "--enable-management",
+        action="store_true",
+        default=None,
+        help="enable the load/unload/rollback/canary endpoints (off by default in 'none' "
+        "mode; on in explicit/poll mode or with a management token)",
     )
     serve.add_argument(
         "--management-token",
-        help="bearer token the load/unload/rollback/canary endpoints require (or "
+        help="bearer token the load/unload/rollback/canary endpoints require; enables them (or "
         "GPUSERVE_MANAGEMENT_TOKEN)",
     )
 

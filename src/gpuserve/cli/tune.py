@@ -93,6 +93,19 @@ def register(sub: Any) -> None:
         default=3,
         help="best candidates measured again at the end (default 3; 0 = none)",
     )
+    tune.add_argument(
+        "--server-cpus",
+        help="pin each candidate's server to these CPUs (taskset "
+        "list, e.g. 1 or 2-7); keeps the generator from skewing the server",
+    )
+    tune.add_argument("--client-cpus", help="pin the load generator to these CPUs (e.g. 0)")
+    tune.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of each candidate's server, e.g. OMP_NUM_THREADS=1",
+    )
     tune.set_defaults(func=run)
 
 
@@ -131,6 +144,21 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--preferred: unknown mode(s) {bad}; use none, max, half")
     space.adaptive = [None, args.latency_budget_ms] if args.adaptive else [None]
     load = settings_from_args(args, warmup_s=1.0, window_s=1.5, tolerance_pct=15.0, max_windows=5)
+    server_env = {}
+    for item in args.server_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            return fail(f"--server-env {item!r}: expected KEY=VALUE")
+        server_env[key] = value
+    if args.client_cpus:
+        import os
+
+        from gpuserve.bench.spec import parse_cpus
+
+        try:
+            os.sched_setaffinity(0, parse_cpus(args.client_cpus))
+        except (ValueError, OSError) as err:
+            return fail(f"--client-cpus {args.client_cpus!r}: {err}")
     settings = TuneSettings(
         latency_budget_ms=args.latency_budget_ms,
         levels=levels,
@@ -140,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         max_passes=args.max_passes,
         confirm=args.confirm,
         batch_size=args.batch_size,
+        server_cpus=args.server_cpus,
+        server_env=server_env,
     )
     output: Path = args.output or Path(f"tuned-{args.model}")
     if output.suffix in (".yaml", ".yml"):

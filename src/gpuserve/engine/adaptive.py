@@ -6,17 +6,19 @@ A pure policy object, driven by the scheduler once per finished batch::
     policy.observe(batch, service_s)   # what the batch cost and how long it took to gather
     policy.apply(batcher)              # sets batcher.max_queue_delay_s and batcher.row_cap
 
-The model of a request's latency is ``wait for the running batch + queue delay + own batch``,
-with batch service time fitted as ``c(rows) = a + b * rows`` by exponentially weighted least
-squares over recent batches. With ``L = headroom * target_p99`` (the rest is left for the
-protocol layers and noise):
+Batch service time is fitted as ``c(rows) = a + b * rows`` by exponentially weighted least
+squares over recent batches; ``a`` is what each batch costs whatever its size, ``b`` what
+each row adds. With ``L = headroom * target_p99`` (the rest is left for the protocol layers
+and noise):
 
-* **row cap** ``B*``: the largest batch with ``2 * c(B*) <= L`` (a request may find one batch
-  running and then run in the next). Batches dispatch as soon as ``B*`` rows are queued.
-* **queue delay**: waiting pays only while company keeps arriving, so the delay follows how long
-  recent batches took to gather (the spread of their members' arrival times) with a margin,
-  capped by what the budget leaves: ``min(1.5 * spread, L - 2 * c(B*))``. A lone client
-  (nobody joins) gets a delay near zero.
+* **row cap** ``B*``: the largest batch with ``c(B*) <= L``. A batch that big already spends
+  the budget, so the batcher stops waiting and sends it as soon as ``B*`` rows are queued.
+* **queue delay**: waiting ``d`` for ``k`` more requests costs each of them ``d`` but saves
+  one batch overhead ``a`` (one batch instead of two), so it pays only while company arrives
+  within ``a``. The delay follows how long recent batches took to gather (the spread of their
+  members' arrival times) with a margin, within what the budget leaves after a batch of the
+  recent typical size ``n``: ``min(1.5 * spread, a, L - c(n))``. A lone client (nobody
+  joins) gets no delay.
 * **backlog**: when more rows are queued than ``B*``, the target is out of reach for this
   load; the cap and the delay are lifted (largest batches at once), because that drains the
   queue fastest, which is the least latency left to have.
@@ -85,6 +87,7 @@ class AdaptiveBatching:
         self.batches = 0
         self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._spread_s = 0.0
+        self._rows = 0.0  # recent typical batch rows (moving average)
 
     # -- measurements --------------------------------------------------------------------------
 
@@ -106,6 +109,7 @@ class AdaptiveBatching:
         self._sxy = k * self._sxy + x * y
         alpha = 0.2 if self.batches else 1.0
         self._spread_s += alpha * (max(spread_s, 0.0) - self._spread_s)
+        self._rows += alpha * (x - self._rows)
         self.batches += 1
 
     def cost(self) -> tuple[float, float]:
@@ -131,12 +135,12 @@ class AdaptiveBatching:
     # -- decisions -----------------------------------------------------------------------------
 
     def best_cap(self) -> int:
-        """The largest batch with ``2 * c(rows) <= budget`` (at least 1, at most max)."""
+        """The largest batch with ``c(rows) <= budget`` (at least 1, at most max)."""
         limit = self.max_batch_size or 1
         a, b = self.cost()
         if b <= 0:
             return limit
-        rows = int((self.budget_s / 2 - a) / b)
+        rows = int((self.budget_s - a) / b)
         return max(1, min(limit, rows))
 
     def decide(self, queued_rows: int) -> AdaptiveDecision:
@@ -146,8 +150,9 @@ class AdaptiveBatching:
         cap = self.best_cap()
         if queued_rows > cap:
             return AdaptiveDecision(0.0, None)  # backlog: drain with the largest batches
-        room = max(0.0, self.budget_s - 2 * self.predict_s(cap))
-        delay = min(room, self.spread_margin * self._spread_s)
+        a, b = self.cost()
+        room = max(0.0, self.budget_s - a - b * min(self._rows, cap))
+        delay = min(room, a, self.spread_margin * self._spread_s)
         return AdaptiveDecision(delay, cap if cap < self.max_batch_size else None)
 
     def apply(self, batcher: _Tunable) -> AdaptiveDecision:

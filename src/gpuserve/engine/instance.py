@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,9 @@ class Instance:
         self._threads: list[threading.Thread] = []
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
+        self._trace_request: tuple[int, Path] | None = None  # set on the loop thread
+        self._profiler: Any = None
+        self._profile_left = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -212,7 +216,57 @@ class Instance:
         self._trace.end()
         job.preprocess_s = time.monotonic() - t0
 
+    def start_trace(self, batches: int, directory: Path) -> None:
+        """Profile the forward stage of the next ``batches`` batches with ``torch.profiler``
+        and write a Chrome-trace file (``*.pt.trace.json``, opened by TensorBoard's profiler
+        plugin and by Perfetto) into ``directory``."""
+        self._trace_request = (batches, directory)
+
+    def _profile_begin(self) -> None:
+        request, self._trace_request = self._trace_request, None
+        if request is None or self._profiler is not None:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU]
+        if self.context.device.startswith("cuda") and torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        batches, directory = request
+        worker = self.name.replace(":", "_").replace("#", "_")
+        self._profiler = profile(
+            activities=activities,
+            record_shapes=True,
+            on_trace_ready=tensorboard_trace_handler(str(directory), worker_name=worker),
+        )
+        self._profiler.start()
+        self._profile_left = batches
+        logger.info(
+            "instance %s: tracing the next %d batch(es) into %s", self.name, batches, directory
+        )
+
+    def _profile_end(self) -> None:
+        self._profile_left -= 1
+        if self._profile_left > 0:
+            return
+        profiler, self._profiler = self._profiler, None
+        try:
+            profiler.stop()  # writes the trace file
+        except Exception:
+            logger.exception("instance %s: writing the trace failed", self.name)
+
     def _forward(self, job: BatchResult) -> None:
+        if self._trace_request is not None:
+            self._profile_begin()
+        if self._profiler is not None:
+            try:
+                self._forward_once(job)
+            finally:
+                self._profile_end()
+            return
+        self._forward_once(job)
+
+    def _forward_once(self, job: BatchResult) -> None:
         if job.error is not None:
             return
         t0 = time.monotonic()

@@ -17,7 +17,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from gpuserve.config import ModelConfig
@@ -28,6 +29,7 @@ from gpuserve.engine.instance import BatchResult, Instance
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
 from gpuserve.engine.stats import BatchStats, ModelStats, RequestStats
 from gpuserve.errors import (
+    BackendError,
     CancelledRequestError,
     GpuserveError,
     InvalidInputError,
@@ -82,13 +84,38 @@ class ModelScheduler:
         self._timer_at: float | None = None
         self._closing = False
         self._retry: deque[Batch] = deque()  # halves of failed batches, run before new work
+        self._respawn: Callable[[Instance], Awaitable[Instance]] | None = None
+        self._running: dict[Instance, set[int]] = {}  # instance -> ids of its batches in flight
+        self._batches: dict[int, Batch] = {}
+        self._replacing = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def attach(self, instances: list[Instance], loop: asyncio.AbstractEventLoop) -> None:
-        """Give the scheduler its (started) instances and the loop it runs on."""
+    def attach(
+        self,
+        instances: list[Instance],
+        loop: asyncio.AbstractEventLoop,
+        respawn: Callable[[Instance], Awaitable[Instance]] | None = None,
+    ) -> None:
+        """Give the scheduler its (started) instances and the loop it runs on.
+
+        Args:
+            respawn: Builds and starts a replacement for an instance found hung (see
+                ``execution_timeout_s``); None means a hung instance is only removed.
+        """
         self.instances = instances
         self._loop = loop
+        self._respawn = respawn
+
+    def start_trace(self, batches: int, directory: Path) -> None:
+        """Profile the next ``batches`` batches of every instance into ``directory``."""
+        for instance in self.instances:
+            instance.start_trace(batches, directory)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether at least one instance can run batches (False while all are replaced)."""
+        return bool(self.instances)
 
     def on_batch_done(self, result: BatchResult) -> None:
         """Instance-thread callback: move the result onto the loop."""
@@ -170,7 +197,73 @@ class ModelScheduler:
     def _dispatch(self, instance: Instance, batch: Batch) -> None:
         instance.in_flight += 1
         batch.extra["instance"] = instance
+        timeout_s = self.config.execution_timeout_s
+        if timeout_s:
+            assert self._loop is not None
+            self._running.setdefault(instance, set()).add(id(batch))
+            self._batches[id(batch)] = batch
+            batch.extra["watchdog"] = self._loop.call_later(
+                timeout_s, self._instance_hung, instance, batch
+            )
         instance.submit(batch)
+
+    def _instance_hung(self, instance: Instance, batch: Batch) -> None:
+        """Watchdog: ``instance`` did not finish ``batch`` within ``execution_timeout_s``.
+
+        Its batches in flight fail with a 500 that says so; the instance is dropped (its thread
+        cannot be stopped, so it is abandoned) and, when a ``respawn`` callback was given, a
+        replacement is loaded. Meanwhile the model reports not ready if no instance is left.
+        """
+        if instance not in self.instances:
+            return
+        timeout_s = self.config.execution_timeout_s
+        logger.error(
+            "model %s version %s: instance %s did not finish a batch of %d rows within %.1f s; "
+            "replacing it",
+            self.name,
+            self.version,
+            instance.name,
+            batch.rows,
+            timeout_s,
+        )
+        self.instances.remove(instance)
+        error = BackendError(
+            f"model '{self.name}' instance {instance.name} did not finish within "
+            f"{timeout_s:g} s (execution_timeout_s); it is being restarted"
+        )
+        end = self.clock()
+        for batch_id in self._running.pop(instance, set()):
+            stuck = self._batches.pop(batch_id)
+            for item in stuck.items:
+                self._resolve(item, error, 0.0, end - item.arrival_s, end - item.arrival_s)
+        if self._respawn is not None and self._loop is not None:
+            self._replacing += 1
+            self._loop.create_task(self._replace(instance))
+        elif not self.instances:
+            self._fail_queued(UnavailableError(f"model '{self.name}' has no working instance"))
+        self._pump()
+
+    async def _replace(self, dead: Instance) -> None:
+        assert self._respawn is not None
+        try:
+            fresh = await self._respawn(dead)
+        except Exception as err:
+            logger.error("model %s: replacing instance %s failed: %s", self.name, dead.name, err)
+            if not self.instances:
+                self._fail_queued(
+                    UnavailableError(f"model '{self.name}' has no working instance: {err}")
+                )
+            return
+        finally:
+            self._replacing -= 1
+        logger.info("model %s: instance %s replaced", self.name, dead.name)
+        self.instances.append(fresh)
+        self._pump()
+
+    def _fail_queued(self, error: GpuserveError) -> None:
+        now = self.clock()
+        for item in self.batcher.drain():
+            self._finish_failed(item, error, now)
 
     def _pump(self) -> None:
         now = self.clock()
@@ -229,6 +322,12 @@ class ModelScheduler:
         batch: Batch = result.batch
         instance: Instance = batch.extra["instance"]
         instance.in_flight -= 1
+        watchdog = batch.extra.pop("watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+            self._running.get(instance, set()).discard(id(batch))
+            if self._batches.pop(id(batch), None) is None:
+                return  # declared hung and already failed; a late result is dropped
         self.stats.record_batch(
             BatchStats(
                 self.name,

@@ -297,7 +297,7 @@ class ServerMetrics:
         known = self.manager.models.get(model) if self.manager is not None else None
         if known is None:
             return UNKNOWN, UNKNOWN
-        if version and version.isdigit() and int(version) in known.versions:
+        if version and version.isascii() and version.isdigit() and int(version) in known.versions:
             return model, str(int(version))
         return model, UNKNOWN
 

@@ -86,13 +86,11 @@ class PythonExport:
     """What a python model's ``export_onnx`` hook wrote (see :mod:`gpuserve.cli.export`).
 
     Attributes:
-        backend: Backend of the written model (``python``).
         config_yaml: ``config.yaml`` text for the new model folder.
         max_abs_diff: Largest |ONNX Runtime - torch| over the check sentences, or None.
         note: Why the check did not run, or "".
     """
 
-    backend: str
     config_yaml: str
     max_abs_diff: float | None
     note: str = ""
@@ -203,7 +201,6 @@ def export_text_embedding(
             f"(allowed {FP32_MAX_ABS_DIFF:.3g})"
         )
     return PythonExport(
-        backend="python",
         config_yaml=_config_yaml(config, reference, fp16),
         max_abs_diff=diff,
         note=note,

@@ -51,6 +51,7 @@ from gpuserve.protocol.tensors import build_input
 
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig, TensorSpec
+    from gpuserve.protocol.limits import RequestLimits
 
 #: How messages name the size of a raw input.
 RAW_SIZE_LABEL = "raw_input_contents size"
@@ -217,6 +218,7 @@ def decode_infer_request(
     config: ModelConfig,
     model_name: str,
     model_version: str | None,
+    limits: RequestLimits | None = None,
 ) -> InferenceRequest:
     """Validate a ``ModelInferRequest`` and build the engine's request.
 
@@ -225,6 +227,7 @@ def decode_infer_request(
         config: The target model's configuration.
         model_name: Target model.
         model_version: Target version, or None for the default version.
+        limits: Server-wide tensor limits (see :mod:`gpuserve.protocol.limits`); None: none.
 
     Returns:
         The request; raw fixed-size inputs are zero-copy, read-only views of the message's
@@ -274,11 +277,16 @@ def decode_infer_request(
                 raw=raw[index],
                 config=config,
                 size_label=RAW_SIZE_LABEL,
+                limits=limits,
             )
             continue
         check_datatype(spec, name, datatype)
         dims = check_shape(spec, name, shape, config.max_batch_size)
+        if limits is not None:
+            limits.check_elements(name, dims)
         arrays[name] = array_from_contents(spec, name, dims, tensor.contents)
+        if limits is not None and spec.datatype == "BYTES":
+            limits.check_bytes(name, arrays[name])
     validate_request_shapes({name: array.shape for name, array in arrays.items()}, config)
 
     params = {key: parameter_value(value) for key, value in message.parameters.items()}

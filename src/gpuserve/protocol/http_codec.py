@@ -44,6 +44,7 @@ from gpuserve.protocol.tensors import build_input
 
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig, TensorSpec
+    from gpuserve.protocol.limits import RequestLimits
 
 HEADER_LENGTH_HEADER = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"
@@ -202,6 +203,7 @@ def decode_infer_request(
     config: ModelConfig,
     model_name: str,
     model_version: str | None,
+    limits: RequestLimits | None = None,
 ) -> DecodedRequest:
     """Decode and fully validate a V2 ``/infer`` request body.
 
@@ -211,6 +213,7 @@ def decode_infer_request(
         config: The target model's configuration.
         model_name: Target model (from the URL).
         model_version: Target version from the URL, or None for the default version.
+        limits: Server-wide tensor limits (see :mod:`gpuserve.protocol.limits`); None: none.
 
     Returns:
         The request (inputs as numpy arrays of the declared dtypes; binary fixed-size inputs
@@ -286,7 +289,13 @@ def decode_infer_request(
             if data is None:
                 raise InvalidInputError(f"input {name!r}: 'data' must be a JSON array, got null")
             arrays[name] = build_input(
-                spec, name, item.get("datatype"), item.get("shape"), json_data=data, config=config
+                spec,
+                name,
+                item.get("datatype"),
+                item.get("shape"),
+                json_data=data,
+                config=config,
+                limits=limits,
             )
             continue
         if "data" in item:
@@ -313,7 +322,13 @@ def decode_infer_request(
         offset += size_param
         binary_inputs += 1
         arrays[name] = build_input(
-            spec, name, item.get("datatype"), item.get("shape"), raw=raw, config=config
+            spec,
+            name,
+            item.get("datatype"),
+            item.get("shape"),
+            raw=raw,
+            config=config,
+            limits=limits,
         )
     if binary is not None and offset != len(binary):
         extra = len(binary) - offset

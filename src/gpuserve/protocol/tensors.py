@@ -39,6 +39,7 @@ from gpuserve.protocol.shapes import (
 
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig, TensorSpec
+    from gpuserve.protocol.limits import RequestLimits
 
 __all__ = [
     "array_from_json",
@@ -280,11 +281,13 @@ def build_input(
     raw: memoryview | bytes | None = None,
     config: ModelConfig,
     size_label: str = "binary_data_size",
+    limits: RequestLimits | None = None,
 ) -> np.ndarray:
     """Validate one input and build its array: datatype, then shape, then data.
 
     Exactly one of ``json_data`` (parsed JSON ``data``) and ``raw`` (the tensor's bytes)
-    must be given.
+    must be given. ``limits`` (None: none) are checked on the shape before the data is
+    read, and on BYTES element lengths after.
 
     Raises:
         InvalidInputError: any check fails; the message names the input.
@@ -293,8 +296,14 @@ def build_input(
         raise _not_a_list(name, json_data)  # a structural error: report it first
     check_datatype(spec, name, datatype)
     dims = check_shape(spec, name, shape, config.max_batch_size)
+    if limits is not None:
+        limits.check_elements(name, dims)
     if raw is not None:
-        return array_from_raw(spec, name, dims, raw, size_label)
-    if json_data is None:
+        array = array_from_raw(spec, name, dims, raw, size_label)
+    elif json_data is None:
         raise InvalidInputError(f"input {name!r}: no data (JSON 'data' or binary) was given")
-    return array_from_json(spec, name, dims, json_data)
+    else:
+        array = array_from_json(spec, name, dims, json_data)
+    if limits is not None and spec.datatype == "BYTES":
+        limits.check_bytes(name, array)
+    return array

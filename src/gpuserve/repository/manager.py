@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import ValidationError
 
 from gpuserve.backends import backend_class, create_backend
 from gpuserve.backends.base import LoadContext
@@ -209,6 +211,7 @@ class ModelManager:
         self.shutting_down = True
         if self._poll_task is not None:
             self._poll_task.cancel()
+            await asyncio.gather(self._poll_task, return_exceptions=True)
         closing = []
         for model in list(self.models.values()):
             for mv in list(model.versions.values()):
@@ -350,8 +353,13 @@ class ModelManager:
         """
         try:
             canary = CanaryConfig(version=version, weight=weight)
-        except ValueError as err:
-            raise InvalidInputError(f"canary for model '{name}': {err}") from None
+        except ValidationError as err:
+            problem = err.errors()[0]
+            field = ".".join(str(part) for part in problem["loc"])
+            raise InvalidInputError(
+                f"canary for model '{name}': field '{field}': {problem['msg']} "
+                f"(given: {problem.get('input')!r})"
+            ) from None
         async with self._lock(name):
             model = self.model(name)
             entry = await self._scan_existing(model, extra=version)
@@ -449,11 +457,11 @@ class ModelManager:
                     f"model '{name}' version {version} is not ready: {mv.state.value}"
                     + (f" ({mv.reason})" if mv.reason else "")
                 )
-            return mv
+            return _healthy(mv)
         mv = model.route.default
         if mv is None or mv.state is not VersionState.READY:
             raise ModelNotReadyError(f"model '{name}' is not ready: {self.model_status(model)}")
-        return mv
+        return _healthy(mv)
 
     def split(self, mv: ModelVersion, request_id: str | None) -> ModelVersion:
         """Where an unversioned request that :meth:`version` resolved to ``mv`` goes: ``mv``,
@@ -625,38 +633,42 @@ class ModelManager:
 
         fresh: dict[int, ModelVersion] = {}
         failures: dict[int, str] = {}
-        while True:
-            desired = desired_versions(model, candidates)
-            todo = [
-                v
-                for v in sorted(desired)
-                if v not in fresh and v not in failures and needs_load(v) and loadable_now(v)
-            ]
-            if not todo:
-                break
-            loaded = await asyncio.gather(*(self._load_new(model, folders[v]) for v in todo))
-            for mv in loaded:
-                if mv.state is VersionState.READY:
-                    fresh[mv.version] = mv
-                    continue
-                failures[mv.version] = mv.reason
-                model.failed[mv.version] = folders[mv.version].fingerprint
-                if mv.version not in live:
-                    model.notes[mv.version] = mv.reason
-                    candidates.remove(mv.version)
-                else:  # the version keeps its previous load
-                    model.notes[mv.version] = f"reload failed: {mv.reason}"
-            if require is not None and require in failures:
-                await self._discard(fresh.values())
-                raise ConfigError(
-                    f"model '{model.name}' version {require} failed to load: {failures[require]}"
-                )
+        try:
+            while True:
+                desired = desired_versions(model, candidates)
+                todo = [
+                    v
+                    for v in sorted(desired)
+                    if v not in fresh and v not in failures and needs_load(v) and loadable_now(v)
+                ]
+                if not todo:
+                    break
+                loaded = await asyncio.gather(*(self._load_new(model, folders[v]) for v in todo))
+                for mv in loaded:
+                    if mv.state is VersionState.READY:
+                        fresh[mv.version] = mv
+                        continue
+                    failures[mv.version] = mv.reason
+                    model.failed[mv.version] = folders[mv.version].fingerprint
+                    if mv.version not in live:
+                        model.notes[mv.version] = mv.reason
+                        candidates.remove(mv.version)
+                    else:  # the version keeps its previous load
+                        model.notes[mv.version] = f"reload failed: {mv.reason}"
+                if require is not None and require in failures:
+                    raise ConfigError(
+                        f"model '{model.name}' version {require} failed to load: "
+                        f"{failures[require]}"
+                    )
+        except BaseException:  # nothing switches: what loaded for this change goes again
+            await self._discard(model, fresh.values())
+            raise
         if self.shutting_down:
-            await self._discard(fresh.values())
+            await self._discard(model, fresh.values())
             return failures
         desired = desired_versions(model, candidates)
         if require is not None and require not in desired:
-            await self._discard(fresh.values())
+            await self._discard(model, fresh.values())
             raise ConfigError(
                 f"model '{model.name}': version {require} is not selected by the version policy "
                 f"of its config (versions loadable: {sorted(candidates)})"
@@ -739,11 +751,15 @@ class ModelManager:
                 model.notes[mv.version] = f"unloaded ({why})"
         release_device_memory()
 
-    async def _discard(self, versions: Any) -> None:
-        """Stop versions that loaded but never took traffic."""
+    async def _discard(self, model: Model, versions: Iterable[ModelVersion]) -> None:
+        """Stop versions that loaded for a change that does not happen (they never were in
+        the route) and take them out of the loaded set."""
         for mv in list(versions):
             mv.state = VersionState.UNLOADING
             await self._stop(mv, 0.0)
+            number = mv.version
+            if model.versions.get(number) is mv:
+                del model.versions[number]
 
     async def _stop(self, mv: ModelVersion, timeout_s: float) -> None:
         """Drain ``mv`` (its queued and running requests finish, up to ``timeout_s``), stop
@@ -801,23 +817,11 @@ class ModelManager:
             mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
             scheduler = ModelScheduler(mv.config, str(mv.version))
             for index, device in enumerate(instance_devices(mv.config)):
-                context = LoadContext(
-                    config=mv.config,
-                    version_path=mv.path,
-                    version=mv.version,
-                    device=device,
-                    instance_index=index,
-                    parameters=dict(mv.config.parameters),
+                instances.append(
+                    await loop.run_in_executor(
+                        None, self._start_instance, mv, scheduler, index, device
+                    )
                 )
-                instance = Instance(
-                    f"{mv.model}:{mv.version}#{index}",
-                    create_backend(mv.config.backend),
-                    context,
-                    scheduler.on_batch_done,
-                    pipeline_depth=resolve_pipeline_depth(mv.config, device),
-                )
-                await loop.run_in_executor(None, instance.start)
-                instances.append(instance)
         except BaseException as err:
             for instance in instances:
                 await loop.run_in_executor(None, instance.stop)
@@ -827,7 +831,15 @@ class ModelManager:
             if not isinstance(err, Exception):
                 raise
             return
-        scheduler.attach(instances, loop)
+
+        async def respawn(dead: Instance) -> Instance:
+            """Replacement for an instance the scheduler's watchdog found hung."""
+            ctx = dead.context
+            return await loop.run_in_executor(
+                None, self._start_instance, mv, scheduler, ctx.instance_index, ctx.device
+            )
+
+        scheduler.attach(instances, loop, respawn)
         mv.scheduler = scheduler
         for listener in self.version_listeners:
             listener(mv)
@@ -840,6 +852,29 @@ class ModelManager:
             ", ".join(i.context.device for i in instances),
             loop.time() - started,
         )
+
+    @staticmethod
+    def _start_instance(
+        mv: ModelVersion, scheduler: ModelScheduler, index: int, device: str
+    ) -> Instance:
+        """Build, load and warm up instance ``index`` of ``mv`` on ``device`` (blocking)."""
+        context = LoadContext(
+            config=mv.config,
+            version_path=mv.path,
+            version=mv.version,
+            device=device,
+            instance_index=index,
+            parameters=dict(mv.config.parameters),
+        )
+        instance = Instance(
+            f"{mv.model}:{mv.version}#{index}",
+            create_backend(mv.config.backend),
+            context,
+            scheduler.on_batch_done,
+            pipeline_depth=resolve_pipeline_depth(mv.config, device),
+        )
+        instance.start()
+        return instance
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -863,13 +898,12 @@ class ModelManager:
             raise ModelNotFoundError(
                 f"no model '{path.name}' in the repository {path.parent} (no {CONFIG_FILENAME})"
             )
-        entry = await loop.run_in_executor(None, scan_model, path)
+        config = None
         if override is not None:
             config = parse_model_config(
                 override, Path(f"<load request for {path.name}>"), path.name
             )
-            entry = await loop.run_in_executor(None, scan_model, path, config)
-        return entry
+        return await loop.run_in_executor(None, scan_model, path, config)
 
     async def _scan_existing(self, model: Model, extra: int | None = None) -> ModelEntry:
         """The scan the model was last brought in line with (so a rollback or canary never
@@ -902,3 +936,17 @@ class ModelManager:
         causes = "; ".join(f"version {v}: {reason}" for v, reason in sorted(failures.items()))
         tail = f"; version {served} keeps serving" if served is not None else ""
         raise ConfigError(f"failed to load model '{model.name}': {causes}{tail}")
+
+
+def _healthy(mv: ModelVersion) -> ModelVersion:
+    """``mv``, unless every instance of it is being replaced after a hang (BC-22).
+
+    Raises:
+        ModelNotReadyError: no instance can run batches until a replacement has loaded.
+    """
+    if mv.scheduler is not None and not mv.scheduler.healthy:
+        raise ModelNotReadyError(
+            f"model '{mv.model}' version {mv.version} is not ready: its instance is being "
+            "restarted after it stopped responding"
+        )
+    return mv

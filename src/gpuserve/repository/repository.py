@@ -13,6 +13,11 @@ marker file (``.incomplete`` or ``INCOMPLETE``; write the files, then delete the
 while it is empty. In ``poll`` mode a new or changed folder must also look the same (file
 names, sizes, modification times: its :func:`fingerprint`) on two scans in a row. Writing a
 version under a hidden name (``.3``) and renaming it to ``3`` when complete is the atomic way.
+
+Nothing outside the repository is ever loaded: a model folder, a version folder or a file in
+one that is a symbolic link resolving outside the repository makes that model (or version)
+fail with a reason that says so. Model names from the repository API are checked in
+:mod:`gpuserve.server.security`.
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ def version_folders(model_path: Path) -> list[int]:
     """Numeric version sub-folders of a model folder, ascending (``0`` is not a version)."""
     found = []
     for child in model_path.iterdir():
-        if child.is_dir() and child.name.isdigit() and int(child.name) > 0:
+        name = child.name
+        if child.is_dir() and name.isascii() and name.isdigit() and int(name) > 0:
             found.append(int(child.name))
     return sorted(found)
 
@@ -109,8 +115,29 @@ def fingerprint(path: Path) -> Fingerprint:
     return tuple(sorted(rows))
 
 
+def escapes(path: Path, root: Path) -> bool:
+    """Whether ``path`` resolves (symbolic links followed) outside ``root``."""
+    try:
+        return not path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # unreadable, or a link loop
+        return True
+
+
+def _links_outside(path: Path, root: Path) -> bool:
+    """Whether version folder ``path``, or a file or folder in it, links outside ``root``."""
+    if escapes(path, root):
+        return True
+    try:
+        return any(escapes(item, root) for item in path.rglob("*") if item.is_symlink())
+    except OSError:
+        return True
+
+
 def read_version_folder(path: Path) -> VersionFolder:
     """Inspect one version folder: its fingerprint and whether it is complete."""
+    if _links_outside(path, path.parent.parent):
+        outside = f"{path}: links outside the model repository; not loaded"
+        return VersionFolder(int(path.name), path, (), outside)
     prints = fingerprint(path)
     problem = None
     markers = [name for name in INCOMPLETE_MARKERS if (path / name).exists()]
@@ -129,6 +156,9 @@ def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
         config: Use this configuration instead of reading ``config.yaml``.
     """
     entry = ModelEntry(path.name, path)
+    if escapes(path, path.parent):
+        entry.error = f"{path}: the model folder links outside the model repository; not loaded"
+        return entry
     if config is not None:
         entry.config = config
     else:
@@ -171,7 +201,7 @@ def scan_repository(root: Path) -> list[ModelEntry]:
         if child.is_dir() and not child.name.startswith((".", "_")):
             if (child / CONFIG_FILENAME).is_file():
                 entries.append(scan_model(child))
-            elif any(c.is_dir() and c.name.isdigit() for c in child.iterdir()):
+            elif any(c.is_dir() and c.name.isascii() and c.name.isdigit() for c in child.iterdir()):
                 entries.append(
                     ModelEntry(child.name, child, error=f"{child}: missing {CONFIG_FILENAME}")
                 )

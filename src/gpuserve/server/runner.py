@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from gpuserve.repository.manager import ModelManager
 from gpuserve.server import logs
 from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
+from gpuserve.server.http.headers import head_limited_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,10 @@ class GpuServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        # Expandable segments let the caching allocator grow blocks instead of leaving holes
+        # between fixed-size ones, so batches of changing shapes fragment device memory less.
+        # Set before any CUDA allocation; a value the operator set wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.manager = ModelManager.from_config(config)
         self.metrics = ServerMetrics(self.manager)
         self.manager.version_listeners.append(self.metrics.watch_version)
@@ -105,8 +111,11 @@ class GpuServer:
                 host=config.host,
                 port=config.http_port,
                 loop="uvloop",
-                http="httptools",
+                # httptools, with a cap on the request head (431 beyond max_header_bytes)
+                http=head_limited_protocol(config.max_header_bytes),
                 lifespan="on",
+                ssl_certfile=config.tls_cert_file,
+                ssl_keyfile=config.tls_key_file,
                 access_log=False,
                 # JSON logs: uvicorn's own lines go through the root handler as JSON too.
                 log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,

@@ -4,7 +4,9 @@ It serves :class:`~gpuserve.server.grpc.service.InferenceServicer` and the stand
 service next to the HTTP front end, on the same asyncio loop (uvloop), so requests of both
 protocols meet in the same model queues and batches. Messages up to
 ``max_request_body_bytes`` are accepted (the HTTP body limit); larger ones are refused with
-RESOURCE_EXHAUSTED by gRPC itself.
+RESOURCE_EXHAUSTED by gRPC itself, as is metadata beyond ``max_header_bytes``. With
+``tls_cert_file``/``tls_key_file`` the port speaks TLS only; with an API token, calls need it
+in their ``authorization`` metadata (:mod:`gpuserve.server.grpc.auth`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from grpc_health.v1 import health_pb2_grpc
 from gpuserve.config import ServerConfig
 from gpuserve.metrics import ServerMetrics
 from gpuserve.repository.manager import ModelManager
+from gpuserve.server.grpc.auth import TokenInterceptor
 from gpuserve.server.grpc.health import HealthServicer
 from gpuserve.server.grpc.service import SERVICE_NAME, InferenceServicer, handlers
 
@@ -28,6 +31,22 @@ def bind_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``tls_cert_file``/``tls_key_file`` (PEM), or None without them.
+
+    Raises:
+        RuntimeError: a file cannot be read.
+    """
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    try:
+        key = config.tls_key_file.read_bytes()
+        chain = config.tls_cert_file.read_bytes()
+    except OSError as err:
+        raise RuntimeError(f"cannot read the TLS certificate or key: {err}") from None
+    return grpc.ssl_server_credentials([(key, chain)])
 
 
 class GrpcServer:
@@ -61,7 +80,9 @@ class GrpcServer:
                 # Refuse to share a port with another process: a second server on the same
                 # port must fail at start, not silently split the traffic.
                 ("grpc.so_reuseport", 0),
-            ]
+                ("grpc.max_metadata_size", self.config.max_header_bytes),
+            ],
+            interceptors=[TokenInterceptor(self.config)] if self.config.api_token else None,
         )
         methods = handlers(self.servicer)
         server.add_generic_rpc_handlers(
@@ -73,7 +94,11 @@ class GrpcServer:
         )
         address = bind_address(self.config.host, self.config.grpc_port)
         try:
-            port = server.add_insecure_port(address)
+            credentials = server_credentials(self.config)
+            if credentials is None:
+                port = server.add_insecure_port(address)
+            else:
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as err:
             raise RuntimeError(f"cannot listen for gRPC on {address}: {err}") from None
         if port == 0:
@@ -81,7 +106,11 @@ class GrpcServer:
         await server.start()
         self._server = server
         self.port = port
-        logger.info("gRPC listening on %s", bind_address(self.config.host, port))
+        logger.info(
+            "gRPC listening on %s%s",
+            bind_address(self.config.host, port),
+            " (TLS)" if credentials is not None else "",
+        )
         return port
 
     async def stop(self, grace_s: float) -> None:

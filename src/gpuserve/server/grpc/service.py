@@ -19,6 +19,9 @@ in :mod:`gpuserve.server.status`. No stack trace ever reaches a client.
   repository API (:mod:`gpuserve.server.http.repository`): the same checks and behaviour, the
   management token read from the ``authorization`` metadata (UNAUTHENTICATED without it,
   PERMISSION_DENIED when management is disabled).
+* Messages leave without file paths outside the repository-relative part, and model names and
+  version labels are checked as over HTTP (:mod:`gpuserve.server.security`); the API token is
+  checked by :mod:`gpuserve.server.grpc.auth` before a handler runs.
 """
 
 from __future__ import annotations
@@ -48,12 +51,14 @@ from gpuserve.errors import (
 )
 from gpuserve.metrics import ServerMetrics
 from gpuserve.protocol.grpc_codec import decode_infer_request, encode_infer_response
+from gpuserve.protocol.limits import RequestLimits
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import grpc_service_pb2_grpc as pb_grpc
 from gpuserve.repository.manager import Model, ModelManager, ModelVersion
 from gpuserve.server.grpc import messages
 from gpuserve.server.grpc.access import log_call
 from gpuserve.server.http.repository import ManagementDenied, RepositoryApi
+from gpuserve.server.security import Redactor, check_model_name, check_version_label
 from gpuserve.server.status import grpc_code
 from gpuserve.server.timing import timing_metadata
 
@@ -134,12 +139,16 @@ def status_code(error: GpuserveError) -> grpc.StatusCode:
     return grpc.StatusCode[grpc_code(error)]
 
 
-async def abort(context: grpc.aio.ServicerContext, error: GpuserveError) -> NoReturn:
-    """End the call with ``error``'s status code and message."""
+async def abort(
+    context: grpc.aio.ServicerContext, error: GpuserveError, redactor: Redactor | None = None
+) -> NoReturn:
+    """End the call with ``error``'s status code and message (without file paths when a
+    ``redactor`` is given)."""
     trailing: tuple[tuple[str, str], ...] = ()
     if isinstance(error, OverloadedError):
         trailing = (("retry-after", str(max(1, round(error.retry_after_s)))),)
-    await context.abort(status_code(error), error.message, trailing_metadata=trailing)
+    message = redactor.text(error.message) if redactor is not None else error.message
+    await context.abort(status_code(error), message, trailing_metadata=trailing)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
@@ -163,7 +172,7 @@ def unary(method: Handler[Request, Response]) -> Handler[Request, Response]:
             response = await method(self, request, context)
         except GpuserveError as err:
             log(grpc_code(err))
-            await abort(context, err)
+            await abort(context, err, getattr(self, "redactor", None))
         except RpcAbort as err:
             log(err.code.name)
             await context.abort(err.code, err.message)
@@ -199,6 +208,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.metrics = metrics
         self.repository = RepositoryApi(manager, config)
         self.access_log = config.access_log
+        self.redactor = Redactor(config.model_repository)
+        self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
 
     # -- health and metadata ---------------------------------------------------------------
 
@@ -219,6 +230,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelReadyRequest, context: Any
     ) -> pb.ModelReadyResponse:
         try:
+            check_version_label(request.name, request.version or None)
             self.manager.version(request.name, request.version or None)
         except ModelNotFoundError:
             raise
@@ -271,7 +283,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any
     ) -> pb.RepositoryIndexResponse:
-        return messages.repository_index(self.manager.index(request.ready))
+        rows = [
+            {**row, "reason": self.redactor.text(row["reason"])}
+            for row in self.manager.index(request.ready)
+        ]
+        return messages.repository_index(rows)
 
     @unary
     async def RepositoryModelLoad(
@@ -307,8 +323,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Run a repository action through the HTTP front end's repository API, so both
         protocols share its checks (management disabled, bearer token in the ``authorization``
         metadata) and behaviour."""
-        if not name or "/" in name:
-            raise ModelNotFoundError(f"unknown model {name!r}")
+        check_model_name(name)
         headers = [
             (key.encode(), value if isinstance(value, bytes) else value.encode())
             for key, value in context.invocation_metadata() or ()
@@ -326,6 +341,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise RpcAbort(code, err.message) from None
 
     def _lookup(self, name: str, version: str | None) -> tuple[Model, list[ModelVersion]]:
+        check_version_label(name, version)
         model = self.manager.model(name)
         if version is None:
             return model, list(model.versions.values())
@@ -349,6 +365,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         name = request.model_name
         version = request.model_version or None
         try:
+            check_version_label(name, version)
             mv = self.manager.version(name, version)
         except GpuserveError as err:
             if self.metrics is not None:
@@ -357,7 +374,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         scheduler = mv.scheduler
         assert scheduler is not None
         try:
-            decoded = decode_infer_request(request, mv.config, name, version)
+            decoded = decode_infer_request(request, mv.config, name, version, self.limits)
             if self.manager.shutting_down:
                 raise UnavailableError("server is shutting down; retry on another replica")
         except GpuserveError as err:  # counted here: it never reaches the scheduler
@@ -408,7 +425,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 results.put_nowait(pb.ModelStreamInferResponse(infer_response=message))
             except GpuserveError as err:
                 code = grpc_code(err)
-                results.put_nowait(_stream_error(request, err.message))
+                results.put_nowait(_stream_error(request, self.redactor.text(err.message)))
             except Exception:  # a bug: log it, never leak it
                 code = "INTERNAL"
                 logger.exception("unhandled error serving a ModelStreamInfer request")

@@ -14,6 +14,13 @@ extensions):
     POST /v2/repository/index                 every model version and its state
     POST /v2/repository/models/{m}/...        load, unload, rollback, canary (see
                                               gpuserve.server.http.repository)
+    GET  /v2/openapi.json                     this API as an OpenAPI 3 document
+    GET  /metrics                             Prometheus metrics
+
+With an API token configured, every endpoint but the health checks, ``/metrics`` and
+``/v2/openapi.json`` needs ``Authorization: Bearer <token>`` (401 without it; see
+:mod:`gpuserve.server.security`). Error bodies and load-failure reasons never carry file paths
+outside the repository-relative part.
 
 The routing is a few string comparisons rather than a framework router, because it sits on
 the per-request hot path. Errors are ``{"error": "..."}`` with the status from
@@ -40,8 +47,11 @@ from gpuserve.errors import (
     UnavailableError,
 )
 from gpuserve.protocol import decode_infer_request, encode_infer_response, parse_header_length
+from gpuserve.protocol.limits import RequestLimits
 from gpuserve.repository.manager import ModelManager, ModelVersion
+from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository import ManagementDenied, RepositoryApi
+from gpuserve.server.security import OPEN_HTTP_PATHS, Redactor, Tokens, check_version_label
 from gpuserve.server.status import http_status
 from gpuserve.server.timing import (
     COMPUTE_TIME_US_HEADER,
@@ -68,10 +78,13 @@ _PLATFORM = {"python": "python", "torch": "pytorch_libtorch"}
 class HttpError(Exception):
     """A protocol-level failure that is not a GpuserveError (bad route, body too large)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(
+        self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or []
 
 
 class HttpApp:
@@ -101,6 +114,9 @@ class HttpApp:
         self.on_shutdown = on_shutdown
         self.max_body = config.max_request_body_bytes
         self.repository = RepositoryApi(manager, config)
+        self.tokens = Tokens(config)
+        self.redactor = Redactor(config.model_repository)
+        self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -130,6 +146,17 @@ class HttpApp:
         path: str = scope["path"]
         extra_headers: list[tuple[bytes, bytes]] = []
         try:
+            if (
+                self.tokens.api is not None
+                and path not in OPEN_HTTP_PATHS
+                and not self.repository.handles(path)
+                and not self.tokens.allows_api(scope["headers"])
+            ):
+                raise HttpError(
+                    401,
+                    "this endpoint needs 'Authorization: Bearer <API token>'",
+                    [(b"www-authenticate", b"Bearer")],
+                )
             if method == "POST" and path.endswith("/infer"):
                 body = await self._read_body(scope, receive)
                 status, payload, content_type, extra_headers = await self._infer(
@@ -150,14 +177,15 @@ class HttpApp:
                 content_type = JSON
         except GpuserveError as err:
             status, content_type = http_status(err), JSON
-            payload = orjson.dumps({"error": err.message})
+            payload = orjson.dumps({"error": self.redactor.text(err.message)})
             if isinstance(err, OverloadedError):
                 extra_headers = [(b"retry-after", str(max(1, round(err.retry_after_s))).encode())]
         except HttpError as err:
             status, content_type = err.status, JSON
-            payload = orjson.dumps({"error": err.message})
-            if method == "POST" and path.endswith("/infer"):  # body too large, bad path
-                self._count_unrouted(path, None, "invalid")
+            payload = orjson.dumps({"error": self.redactor.text(err.message)})
+            extra_headers = err.headers
+            if method == "POST" and path.endswith("/infer"):  # body too large, bad path, token
+                self._count_unrouted(path, None, "unauthorized" if status == 401 else "invalid")
         except Exception:  # a bug: log it, never leak it
             logger.exception("unhandled error serving %s %s", method, path)
             status, content_type = 500, JSON
@@ -209,6 +237,7 @@ class HttpApp:
         if rest != "infer":
             raise HttpError(404, f"unknown path {path}")
         try:
+            check_version_label(name, version)
             mv = self.manager.version(name, version)
         except GpuserveError as err:
             self._count_unrouted(name, version, err.reason)
@@ -222,7 +251,7 @@ class HttpApp:
                 break
         try:
             decoded = decode_infer_request(
-                body, parse_header_length(header_value), mv.config, name, version
+                body, parse_header_length(header_value), mv.config, name, version, self.limits
             )
             if self.manager.shutting_down:
                 raise UnavailableError("server is shutting down; retry on another replica")
@@ -287,14 +316,18 @@ class HttpApp:
                 return 200, orjson.dumps(
                     {"name": "gpuserve", "version": gpuserve.__version__, "extensions": _EXTENSIONS}
                 )
+            if path == "/v2/openapi.json":
+                return 200, openapi_json()
             if path == "/v2/models/stats":
                 return 200, orjson.dumps({"model_stats": self._stats(None, None)})
             if path.startswith("/v2/models/"):
                 name, version, rest = _split_model_path(path)
+                check_version_label(name, version)
                 if rest == "":
-                    return 200, orjson.dumps(self._metadata(name, version))
+                    return 200, self.redactor.json(orjson.dumps(self._metadata(name, version)))
                 if rest == "ready":
-                    return self._ready(name, version)
+                    status, body = self._ready(name, version)
+                    return status, self.redactor.json(body)
                 if rest == "config":
                     return 200, orjson.dumps(self._config(name, version))
                 if rest == "stats":
@@ -315,7 +348,7 @@ class HttpApp:
             return err.status, orjson.dumps({"error": err.message}), headers
         except LookupError:
             raise HttpError(404, f"no endpoint POST {path}") from None
-        return status, payload, []
+        return status, self.redactor.json(payload), []
 
     # -- endpoint bodies -------------------------------------------------------------------
 

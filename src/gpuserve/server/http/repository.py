@@ -9,9 +9,13 @@
     POST /v2/repository/models/{m}/canary/abort       the canary ends
     POST /v2/repository/models/{m}/status             the model's routing and versions
 
-``index`` and ``status`` only read, and are always open. The others change what is served:
-they answer 403 when management is disabled, and need ``Authorization: Bearer <token>`` when
-a management token is set (401 without it). A load may carry a configuration, as Triton's
+``index`` and ``status`` only read, and are open (with an API token set, they take it or the
+management token). The others change what is served: they are off unless management is
+enabled (:attr:`~gpuserve.config.ServerConfig.management_enabled`; 403 otherwise), and need
+``Authorization: Bearer <token>`` when a management token is set, else the API token when one
+is set (401 without it). Model names are checked to be one folder of the repository, and a
+configuration sent with a load cannot point at files outside the version folder
+(:mod:`gpuserve.server.security`). A load may carry a configuration, as Triton's
 does: ``{"parameters": {"config": "<the model configuration as a JSON string>"}}``.
 
 Success bodies are the model's :meth:`~gpuserve.repository.manager.ModelManager.status`.
@@ -19,8 +23,8 @@ Success bodies are the model's :meth:`~gpuserve.repository.manager.ModelManager.
 
 from __future__ import annotations
 
-import hmac
 import logging
+import time
 from typing import Any
 
 import orjson
@@ -28,12 +32,22 @@ import orjson
 from gpuserve.config import ServerConfig
 from gpuserve.errors import InvalidInputError
 from gpuserve.repository.manager import ModelManager
+from gpuserve.server.security import Tokens, check_model_name, check_override_paths
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "/v2/repository/models/"
 _READ_ONLY = {"status"}
-_ACTIONS = {"load", "unload", "rollback", "canary", "canary/promote", "canary/abort", "status"}
+_ACTIONS = {
+    "load",
+    "unload",
+    "rollback",
+    "canary",
+    "canary/promote",
+    "canary/abort",
+    "status",
+    "trace",
+}
 
 
 class ManagementDenied(Exception):
@@ -50,14 +64,14 @@ class RepositoryApi:
 
     Args:
         manager: The model manager the calls go to.
-        config: ``disable_management`` and ``management_token``.
+        config: Whether management is enabled, and the tokens.
     """
 
     def __init__(self, manager: ModelManager, config: ServerConfig) -> None:
         self.manager = manager
-        self.disabled = config.disable_management
-        token = config.management_token
-        self.token = token.get_secret_value().encode() if token is not None else None
+        self.disabled = not config.management_enabled
+        self.tokens = Tokens(config)
+        self.trace_dir = config.trace_dir
 
     def handles(self, path: str) -> bool:
         """Whether ``path`` is one of these endpoints."""
@@ -74,17 +88,24 @@ class RepositoryApi:
             LookupError: an unknown path (the caller answers 404).
         """
         if path == "/v2/repository/index":
+            self._authorize_read(headers)
             request = _json_body(body)
             ready_only = bool(request.get("ready", False))
             return 200, orjson.dumps(self.manager.index(ready_only))
         name, _, action = path[len(_PREFIX) :].partition("/")
         if not name or action not in _ACTIONS:
             raise LookupError(path)
-        if action not in _READ_ONLY:
+        if action in _READ_ONLY:
+            self._authorize_read(headers)
+        else:
             self._authorize(headers)
+        check_model_name(name)
         manager = self.manager
         if action == "load":
-            await manager.load(name, _config_override(_json_body(body)))
+            override = _config_override(_json_body(body))
+            if override is not None:
+                check_override_paths(override)
+            await manager.load(name, override)
         elif action == "unload":
             await manager.unload(name)
         elif action == "rollback":
@@ -96,26 +117,49 @@ class RepositoryApi:
             await manager.promote_canary(name)
         elif action == "canary/abort":
             await manager.abort_canary(name)
+        elif action == "trace":
+            return 200, orjson.dumps(self._trace(name, _json_body(body)))
         if action != "status":
             logger.info("repository API: %s %s", action, name)
         return 200, orjson.dumps(manager.status(name))
 
+    def _trace(self, name: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Start a ``torch.profiler`` trace of the next N batches of the serving version."""
+        batches = request.get("batches", 1)
+        if not isinstance(batches, int) or isinstance(batches, bool) or not 1 <= batches <= 1000:
+            raise InvalidInputError(
+                f"field 'batches': expected an integer 1..1000, got {batches!r}"
+            )
+        scheduler = self.manager.scheduler(name, None)
+        directory = self.trace_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        scheduler.start_trace(batches, directory)
+        logger.info("repository API: trace %s for %d batch(es) into %s", name, batches, directory)
+        return {
+            "model": name,
+            "version": scheduler.version,
+            "batches": batches,
+            "trace": directory.name,  # relative to trace_dir: bodies carry no host paths
+        }
+
+    def _authorize_read(self, headers: list[tuple[bytes, bytes]]) -> None:
+        if not self.tokens.allows_read(headers):
+            raise ManagementDenied(
+                401, "this endpoint needs 'Authorization: Bearer <API or management token>'"
+            )
+
     def _authorize(self, headers: list[tuple[bytes, bytes]]) -> None:
         if self.disabled:
             raise ManagementDenied(
-                403, "model management is disabled on this server (--disable-management)"
+                403,
+                "model management is disabled on this server (enable it with "
+                "--enable-management or --management-token; --model-control-mode explicit "
+                "or poll enables it too, unless --disable-management)",
             )
-        if self.token is None:
-            return
-        for key, value in headers:
-            if key == b"authorization":
-                scheme, _, given = value.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token):
-                    return
-                break
-        raise ManagementDenied(
-            401, "model management needs 'Authorization: Bearer <management token>'"
-        )
+        if not self.tokens.allows_management(headers):
+            which = "management" if self.tokens.management is not None else "API"
+            raise ManagementDenied(
+                401, f"model management needs 'Authorization: Bearer <{which} token>'"
+            )
 
 
 def _json_body(body: bytes) -> dict[str, Any]:
@@ -155,7 +199,7 @@ def _config_override(request: dict[str, Any]) -> dict[str, Any] | None:
 
 def _canary_body(request: dict[str, Any]) -> tuple[int, float]:
     version, weight = request.get("version"), request.get("weight")
-    if isinstance(version, str) and version.isdigit():
+    if isinstance(version, str) and version.isascii() and version.isdigit():
         version = int(version)
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise InvalidInputError(f"field 'version': expected a positive integer, got {version!r}")

@@ -1,0 +1,570 @@
+"""The HTTP API as an OpenAPI 3.0 document, served at ``GET /v2/openapi.json``.
+
+It describes every endpoint of :mod:`gpuserve.server.http.app` and
+:mod:`gpuserve.server.http.repository`, with the KServe V2 request and response bodies, the
+error body ``{"error": "..."}`` and every status an endpoint can answer. The test suite runs
+schemathesis against a live server with this document (``tests/integration/test_fuzz_openapi.py``),
+so a change of the API that is not made here too fails there.
+
+The document is built once, from plain dicts, and cached as JSON bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import orjson
+
+import gpuserve
+from gpuserve.datatypes import DATATYPES
+
+JSON = "application/json"
+OCTETS = "application/octet-stream"
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _response_ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/responses/{name}"}
+
+
+def _json_response(description: str, schema: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": schema}}, **extra}
+
+
+_ERROR_STATUSES = {
+    "400": ("BadRequest", "The request is invalid (the message names the field and the value)."),
+    "401": ("Unauthorized", "A bearer token is configured and the request lacks it."),
+    "403": ("Forbidden", "Model management is disabled on this server."),
+    "404": ("NotFound", "Unknown model, version or endpoint."),
+    "413": ("PayloadTooLarge", "The body exceeds max_request_body_bytes."),
+    "429": ("TooManyRequests", "The model's queue is full; retry after Retry-After seconds."),
+    "431": ("HeadersTooLarge", "The request line and headers exceed max_header_bytes."),
+    "500": ("InternalError", "The model failed on this request."),
+    "503": ("Unavailable", "Not ready, timed out in the queue, or shutting down."),
+}
+
+_TIME_HEADER = {"schema": {"type": "string", "pattern": "^[0-9]+$"}}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {code: _response_ref(_ERROR_STATUSES[code][0]) for code in codes}
+
+
+def _components() -> dict[str, Any]:
+    parameter_value = {"oneOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}
+    parameters = {
+        "type": "object",
+        "description": "Free-form parameters (string, number or boolean values).",
+        "additionalProperties": parameter_value,
+    }
+    tensor_data = {
+        "type": "array",
+        "description": "Elements in row-major order, flat or nested; only the count must "
+        "match the shape. BYTES elements are strings.",
+        "items": {},
+    }
+    datatype = {"type": "string", "enum": list(DATATYPES)}
+    schemas: dict[str, Any] = {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {"type": "string"}},
+        },
+        "Parameters": parameters,
+        "RequestInput": {
+            "type": "object",
+            "required": ["name", "shape", "datatype"],
+            "properties": {
+                "name": {"type": "string"},
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "datatype": datatype,
+                "parameters": _ref("Parameters"),
+                "data": tensor_data,
+            },
+        },
+        "RequestOutput": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}, "parameters": _ref("Parameters")},
+        },
+        "InferenceRequest": {
+            "type": "object",
+            "required": ["inputs"],
+            "properties": {
+                "id": {"type": "string"},
+                "parameters": _ref("Parameters"),
+                "inputs": {"type": "array", "minItems": 1, "items": _ref("RequestInput")},
+                "outputs": {"type": "array", "items": _ref("RequestOutput")},
+            },
+        },
+        "ResponseOutput": {
+            "type": "object",
+            "required": ["name", "shape", "datatype"],
+            "properties": {
+                "name": {"type": "string"},
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "datatype": datatype,
+                "parameters": _ref("Parameters"),
+                "data": tensor_data,
+            },
+        },
+        "InferenceResponse": {
+            "type": "object",
+            "required": ["model_name", "outputs"],
+            "properties": {
+                "model_name": {"type": "string"},
+                "model_version": {"type": "string"},
+                "id": {"type": "string"},
+                "parameters": _ref("Parameters"),
+                "outputs": {"type": "array", "items": _ref("ResponseOutput")},
+            },
+        },
+        "Live": {
+            "type": "object",
+            "required": ["live"],
+            "properties": {"live": {"type": "boolean"}},
+        },
+        "Ready": {
+            "type": "object",
+            "required": ["ready"],
+            "properties": {"ready": {"type": "boolean"}, "reason": {"type": "string"}},
+        },
+        "ServerMetadata": {
+            "type": "object",
+            "required": ["name", "version", "extensions"],
+            "properties": {
+                "name": {"type": "string"},
+                "version": {"type": "string"},
+                "extensions": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "TensorMetadata": {
+            "type": "object",
+            "required": ["name", "datatype", "shape"],
+            "properties": {
+                "name": {"type": "string"},
+                "datatype": datatype,
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": -1}},
+            },
+        },
+        "VersionState": {
+            "type": "object",
+            "description": "gpuserve: one version's state, reason and traffic share.",
+            "required": ["version", "state"],
+            "properties": {
+                "name": {"type": "string"},
+                "version": {"type": "string"},
+                "state": {
+                    "type": "string",
+                    "enum": ["READY", "LOADING", "UNLOADING", "UNAVAILABLE"],
+                },
+                "reason": {"type": "string"},
+                "traffic": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+        },
+        "ModelMetadata": {
+            "type": "object",
+            "required": ["name", "versions", "platform", "inputs", "outputs"],
+            "properties": {
+                "name": {"type": "string"},
+                "versions": {"type": "array", "items": {"type": "string"}},
+                "version_states": {"type": "array", "items": _ref("VersionState")},
+                "platform": {"type": "string"},
+                "inputs": {"type": "array", "items": _ref("TensorMetadata")},
+                "outputs": {"type": "array", "items": _ref("TensorMetadata")},
+            },
+        },
+        "ModelConfig": {
+            "type": "object",
+            "description": "The model's configuration as loaded (the config.yaml fields, with "
+            "their defaults) plus 'platform'. Units are in the key names "
+            "(dynamic_batching.max_queue_delay_us, default_timeout_us).",
+            "required": ["backend", "max_batch_size", "inputs", "outputs"],
+            "properties": {
+                "backend": {"type": "string"},
+                "platform": {"type": "string"},
+                "max_batch_size": {"type": "integer", "minimum": 0},
+                "inputs": {"type": "array", "items": {"type": "object"}},
+                "outputs": {"type": "array", "items": {"type": "object"}},
+                "dynamic_batching": {"type": "object"},
+            },
+        },
+        "ModelStatistics": {
+            "type": "object",
+            "required": ["model_stats"],
+            "properties": {
+                "model_stats": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "version", "inference_stats"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "version": {"type": "string"},
+                            "inference_count": {"type": "integer", "minimum": 0},
+                            "execution_count": {"type": "integer", "minimum": 0},
+                            "inference_stats": {"type": "object"},
+                            "failure_reasons": {
+                                "type": "object",
+                                "additionalProperties": {"type": "integer", "minimum": 0},
+                            },
+                        },
+                    },
+                }
+            },
+        },
+        "RepositoryIndexRequest": {
+            "type": "object",
+            "properties": {"ready": {"type": "boolean"}},
+        },
+        "RepositoryIndex": {"type": "array", "items": _ref("VersionState")},
+        "LoadRequest": {
+            "type": "object",
+            "properties": {
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "config": {
+                            "description": "A model configuration (JSON string or object) "
+                            "used instead of config.yaml until the next load.",
+                            "oneOf": [{"type": "string"}, {"type": "object"}],
+                        }
+                    },
+                }
+            },
+        },
+        "CanaryRequest": {
+            "type": "object",
+            "required": ["version", "weight"],
+            "properties": {
+                "version": {"type": "integer", "minimum": 1},
+                "weight": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+        },
+        "ModelStatus": {
+            "type": "object",
+            "description": "The model's route (served version, canary), held back versions "
+            "and the rows of the repository index.",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "served_version": {"type": "string", "nullable": True},
+                "canary": {
+                    "type": "object",
+                    "nullable": True,
+                    "properties": {
+                        "version": {"type": "string"},
+                        "weight": {"type": "number", "minimum": 0, "maximum": 1},
+                    },
+                },
+                "held_back": {"type": "array", "items": {"type": "string"}},
+                "versions": {"type": "array", "items": _ref("VersionState")},
+            },
+        },
+    }
+    error = _json_response("", _ref("Error"))
+    responses: dict[str, Any] = {}
+    for name, description in _ERROR_STATUSES.values():
+        responses[name] = {**error, "description": description}
+    responses["TooManyRequests"]["headers"] = {
+        "Retry-After": {
+            "required": True,
+            "description": "Seconds to wait before retrying.",
+            "schema": {"type": "string", "pattern": "^[0-9]+$"},
+        }
+    }
+    responses["Unauthorized"]["headers"] = {
+        "WWW-Authenticate": {"required": True, "schema": {"type": "string"}}
+    }
+    return {
+        "schemas": schemas,
+        "responses": responses,
+        "securitySchemes": {
+            "bearer": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "The API token (--api-token) for inference and metadata; the "
+                "management token (--management-token) for repository changes.",
+            }
+        },
+    }
+
+
+_OPTIONAL_TOKEN: list[dict[str, list[str]]] = [{}, {"bearer": []}]
+_OPEN: list[dict[str, list[str]]] = []
+
+
+def _op(
+    summary: str,
+    responses: dict[str, Any],
+    *,
+    parameters: list[dict[str, Any]] | None = None,
+    body: dict[str, Any] | None = None,
+    security: list[dict[str, list[str]]] | None = None,
+    operation_id: str,
+) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "operationId": operation_id,
+        "summary": summary,
+        "responses": responses,
+        "security": _OPTIONAL_TOKEN if security is None else security,
+    }
+    if parameters:
+        op["parameters"] = parameters
+    if body is not None:
+        op["requestBody"] = body
+    return op
+
+
+_MODEL = {
+    "name": "model_name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "A model folder of the repository.",
+}
+_VERSION = {
+    "name": "model_version",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    "description": "A version folder number.",
+}
+
+
+def _model_paths() -> dict[str, Any]:
+    """The per-model endpoints, with and without ``/versions/{model_version}``."""
+    paths: dict[str, Any] = {}
+    infer_body = {
+        "required": True,
+        "content": {
+            JSON: {"schema": _ref("InferenceRequest")},
+            OCTETS: {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "Binary tensor extension: the JSON request followed by the "
+                "raw bytes of the inputs that carry parameters.binary_data_size; the JSON "
+                "length goes in Inference-Header-Content-Length.",
+            },
+        },
+    }
+    header_length = {
+        "name": "Inference-Header-Content-Length",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 0},
+        "description": "Length of the JSON part of a binary request.",
+    }
+    infer_ok = {
+        "description": "The outputs; with binary outputs, the JSON is followed by their raw "
+        "bytes and its length is in Inference-Header-Content-Length.",
+        "headers": {
+            "x-queue-time-us": {**_TIME_HEADER, "required": True},
+            "x-compute-time-us": {**_TIME_HEADER, "required": True},
+            "x-total-time-us": {**_TIME_HEADER, "required": True},
+        },
+        "content": {
+            JSON: {"schema": _ref("InferenceResponse")},
+            OCTETS: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+    for suffix, params, tag in (
+        ("", [_MODEL], ""),
+        ("/versions/{model_version}", [_MODEL, _VERSION], "Version"),
+    ):
+        base = "/v2/models/{model_name}" + suffix
+        paths[base] = {
+            "get": _op(
+                "Model metadata (inputs and outputs with -1 for the batch dimension).",
+                {
+                    "200": _json_response("Model metadata.", _ref("ModelMetadata")),
+                    **_errors("400", "401", "404", "503"),
+                },
+                parameters=params,
+                operation_id=f"modelMetadata{tag}",
+            )
+        }
+        paths[base + "/ready"] = {
+            "get": _op(
+                "Model readiness.",
+                {
+                    "200": _json_response("Ready.", _ref("Ready")),
+                    "503": _json_response("Not ready, with the reason.", _ref("Ready")),
+                    **_errors("400", "401", "404"),
+                },
+                parameters=params,
+                operation_id=f"modelReady{tag}",
+            )
+        }
+        paths[base + "/infer"] = {
+            "post": _op(
+                "Inference (JSON tensors or the binary tensor extension).",
+                {
+                    "200": infer_ok,
+                    **_errors("400", "401", "404", "413", "429", "431", "500", "503"),
+                },
+                parameters=[*params, header_length],
+                body=infer_body,
+                operation_id=f"modelInfer{tag}",
+            )
+        }
+        paths[base + "/config"] = {
+            "get": _op(
+                "The model's configuration as loaded.",
+                {
+                    "200": _json_response("Configuration.", _ref("ModelConfig")),
+                    **_errors("400", "401", "404", "503"),
+                },
+                parameters=params,
+                operation_id=f"modelConfig{tag}",
+            )
+        }
+        paths[base + "/stats"] = {
+            "get": _op(
+                "Statistics extension: counts and cumulative nanoseconds.",
+                {
+                    "200": _json_response("Statistics.", _ref("ModelStatistics")),
+                    **_errors("400", "401", "404"),
+                },
+                parameters=params,
+                operation_id=f"modelStatistics{tag}",
+            )
+        }
+    return paths
+
+
+def _repository_paths() -> dict[str, Any]:
+    paths: dict[str, Any] = {
+        "/v2/repository/index": {
+            "post": _op(
+                "Every model version and its state.",
+                {
+                    "200": _json_response("The index.", _ref("RepositoryIndex")),
+                    **_errors("400", "401", "413"),
+                },
+                body={
+                    "required": False,
+                    "content": {JSON: {"schema": _ref("RepositoryIndexRequest")}},
+                },
+                operation_id="repositoryIndex",
+            )
+        }
+    }
+    changes = {
+        "load": ("Load, or apply repository changes (explicit mode).", _ref("LoadRequest")),
+        "unload": ("Drain and unload every version (explicit mode).", None),
+        "rollback": ("Serve the previous version again.", None),
+        "canary": ("Start or change a canary.", _ref("CanaryRequest")),
+        "canary/promote": ("The canary becomes the default version.", None),
+        "canary/abort": ("The canary ends.", None),
+        "status": ("The model's route, versions and held back versions.", None),
+    }
+    for action, (summary, schema) in changes.items():
+        body = None
+        if schema is not None:
+            body = {"required": action == "canary", "content": {JSON: {"schema": schema}}}
+        codes = (
+            ("400", "401", "404", "413")
+            if action == "status"
+            else ("400", "401", "403", "404", "413", "503")
+        )
+        paths[f"/v2/repository/models/{{model_name}}/{action}"] = {
+            "post": _op(
+                summary,
+                {
+                    "200": _json_response("The model's status.", _ref("ModelStatus")),
+                    **_errors(*codes),
+                },
+                parameters=[_MODEL],
+                body=body,
+                operation_id="repository" + "".join(p.title() for p in action.split("/")),
+            )
+        }
+    return paths
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.0 document of the HTTP API (a fresh copy is not made: do not modify)."""
+    paths: dict[str, Any] = {
+        "/v2/health/live": {
+            "get": _op(
+                "Liveness: 200 while the process serves.",
+                {"200": _json_response("Live.", _ref("Live"))},
+                security=_OPEN,
+                operation_id="serverLive",
+            )
+        },
+        "/v2/health/ready": {
+            "get": _op(
+                "Readiness: 200 when ready, else 503.",
+                {
+                    "200": _json_response("Ready.", _ref("Ready")),
+                    "503": _json_response("Not ready.", _ref("Ready")),
+                },
+                security=_OPEN,
+                operation_id="serverReady",
+            )
+        },
+        "/v2": {
+            "get": _op(
+                "Server metadata and extensions.",
+                {"200": _json_response("Metadata.", _ref("ServerMetadata")), **_errors("401")},
+                operation_id="serverMetadata",
+            )
+        },
+        "/v2/models/stats": {
+            "get": _op(
+                "Statistics of every model version.",
+                {"200": _json_response("Statistics.", _ref("ModelStatistics")), **_errors("401")},
+                operation_id="allModelStatistics",
+            )
+        },
+        **_model_paths(),
+        **_repository_paths(),
+        "/v2/openapi.json": {
+            "get": _op(
+                "This document.",
+                {"200": _json_response("OpenAPI 3.0 document.", {"type": "object"})},
+                security=_OPEN,
+                operation_id="openapi",
+            )
+        },
+        "/metrics": {
+            "get": _op(
+                "Prometheus metrics (text exposition, or OpenMetrics when accepted).",
+                {
+                    "200": {
+                        "description": "Metrics.",
+                        "content": {
+                            "text/plain": {"schema": {"type": "string"}},
+                            "application/openmetrics-text": {"schema": {"type": "string"}},
+                        },
+                    }
+                },
+                security=_OPEN,
+                operation_id="metrics",
+            )
+        },
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "gpuserve",
+            "version": gpuserve.__version__,
+            "description": "KServe V2 Open Inference Protocol over HTTP, with Triton's "
+            "binary tensor, statistics, model configuration and model repository extensions, "
+            'and gpuserve\'s lifecycle endpoints. Errors are {"error": "..."}.',
+        },
+        "paths": paths,
+        "components": _components(),
+    }
+
+
+@functools.cache
+def openapi_json() -> bytes:
+    """:func:`openapi_document` as JSON bytes."""
+    return orjson.dumps(openapi_document())
