@@ -68,11 +68,21 @@ def pinned(cpu: str | None, argv: list[str]) -> list[str]:
 
 
 def measure_raw(args: argparse.Namespace) -> dict[int, float]:
-    env = {**os.environ, "THREADS": str(args.torch_threads), "SECONDS": str(args.raw_seconds),
-           "BATCHES": args.batch_sizes, "SENTENCE": SENTENCE,
-           "OMP_NUM_THREADS": str(args.torch_threads)}
-    out = subprocess.run(pinned(args.server_cpu, [sys.executable, "-c", RAW_CODE]), env=env,
-                         capture_output=True, text=True, check=True)
+    env = {
+        **os.environ,
+        "THREADS": str(args.torch_threads),
+        "SECONDS": str(args.raw_seconds),
+        "BATCHES": args.batch_sizes,
+        "SENTENCE": SENTENCE,
+        "OMP_NUM_THREADS": str(args.torch_threads),
+    }
+    out = subprocess.run(
+        pinned(args.server_cpu, [sys.executable, "-c", RAW_CODE]),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RAW "))
     return {int(k): v for k, v in json.loads(line[4:]).items()}
 
@@ -83,7 +93,9 @@ def wait_ready(url: str, body: bytes, timeout_s: float = 180.0) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
-            req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+            req = urllib.request.Request(
+                url, data=body, headers={"content-type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=10) as response:
                 if response.status == 200:
                     return
@@ -95,26 +107,59 @@ def wait_ready(url: str, body: bytes, timeout_s: float = 180.0) -> None:
 def measure_served(args: argparse.Namespace) -> dict[str, float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/v2/models/text_embedding/infer"
-    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
-                                   "data": [SENTENCE]}]}).encode()
+    body = json.dumps(
+        {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [SENTENCE]}]}
+    ).encode()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}
     server = subprocess.Popen(
-        pinned(args.server_cpu, [sys.executable, "-m", "gpuserve", "serve", "--host", "127.0.0.1",
-                                 "--http-port", str(port), "--log-level", "warning"]),
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pinned(
+            args.server_cpu,
+            [
+                sys.executable,
+                "-m",
+                "gpuserve",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+        ),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_ready(url, body)
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             tmp.write(body)
             tmp.flush()
             wrk_env = {**os.environ, "GPUSERVE_BENCH_BODY": tmp.name}
-            base = ["wrk", "-t1", f"-c{args.concurrency}", "-s", str(HERE / "wrk_post.lua"),
-                    "--timeout", "10s", url]
-            subprocess.run(pinned(args.client_cpu, [*base[:1], "-d3s", *base[1:]]),
-                           env=wrk_env, capture_output=True, check=True)  # warm-up
-            out = subprocess.run(pinned(args.client_cpu, [*base[:1], f"-d{args.duration_s}s",
-                                                          *base[1:]]),
-                                 env=wrk_env, capture_output=True, text=True, check=True)
+            base = [
+                "wrk",
+                "-t1",
+                f"-c{args.concurrency}",
+                "-s",
+                str(HERE / "wrk_post.lua"),
+                "--timeout",
+                "10s",
+                url,
+            ]
+            subprocess.run(
+                pinned(args.client_cpu, [*base[:1], "-d3s", *base[1:]]),
+                env=wrk_env,
+                capture_output=True,
+                check=True,
+            )  # warm-up
+            out = subprocess.run(
+                pinned(args.client_cpu, [*base[:1], f"-d{args.duration_s}s", *base[1:]]),
+                env=wrk_env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
         result = json.loads(line[7:])
         result["req_per_s"] = result["requests"] / (result["duration_us"] / 1e6)
@@ -144,18 +189,26 @@ def main() -> int:
     limit = max(raw[best_bs], raw_after[best_bs])
     ratio = served["req_per_s"] / limit
     report = {
-        "date": dt.date.today().isoformat(), "sentence": SENTENCE, "args": vars(args),
-        "raw_sentences_per_s": raw, "raw_recheck": raw_after, "best_batch_size": best_bs,
-        "limit_sentences_per_s": limit, "served": served, "ratio": ratio,
+        "date": dt.date.today().isoformat(),
+        "sentence": SENTENCE,
+        "args": vars(args),
+        "raw_sentences_per_s": raw,
+        "raw_recheck": raw_after,
+        "best_batch_size": best_bs,
+        "limit_sentences_per_s": limit,
+        "served": served,
+        "ratio": ratio,
     }
     out = HERE / "results" / f"serve_vs_raw-{report['date']}"
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     lines = [
         f"# serve_vs_raw {report['date']}",
         "",
-        f"(a) raw in-process, sentences/s by batch size: "
+        "(a) raw in-process, sentences/s by batch size: "
         + ", ".join(f"{bs}: {v:.1f}" for bs, v in raw.items())
-        + f" (re-check: " + ", ".join(f"{bs}: {v:.1f}" for bs, v in raw_after.items()) + ")",
+        + " (re-check: "
+        + ", ".join(f"{bs}: {v:.1f}" for bs, v in raw_after.items())
+        + ")",
         f"(b) served over HTTP, c={args.concurrency}: {served['req_per_s']:.1f} req/s, "
         f"p50 {served['p50_us'] / 1000:.1f} ms, p99 {served['p99_us'] / 1000:.1f} ms, "
         f"errors {served['errors']}",

@@ -57,8 +57,9 @@ def make_request(rng: random.Random, bad_share: float):
     """Return (path, content, headers, expected_status, check) for one random request."""
     if rng.random() < bad_share:
         kind = rng.choice(["json", "datatype", "count", "model", "input", "binary"])
-        good = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
-                            "data": [1.0] * 16}]}
+        good = {
+            "inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]
+        }
         path = "/v2/models/double_fp32/infer"
         headers = {"content-type": "application/json"}
         if kind == "json":
@@ -68,50 +69,92 @@ def make_request(rng: random.Random, bad_share: float):
         elif kind == "count":
             good["inputs"][0]["data"] = [1.0] * 15
         elif kind == "model":
-            return "/v2/models/nope/infer", json.dumps(good).encode(), headers, 404, None, \
-                "bad:model"
+            return (
+                "/v2/models/nope/infer",
+                json.dumps(good).encode(),
+                headers,
+                404,
+                None,
+                "bad:model",
+            )
         elif kind == "input":
             good["inputs"][0]["name"] = "NOPE"
         elif kind == "binary":
-            header = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16],
-                                             "datatype": "FP32",
-                                             "parameters": {"binary_data_size": 64}}]}).encode()
+            header = json.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "INPUT0",
+                            "shape": [1, 16],
+                            "datatype": "FP32",
+                            "parameters": {"binary_data_size": 64},
+                        }
+                    ]
+                }
+            ).encode()
             headers["inference-header-content-length"] = str(len(header))
             return path, header + b"\0" * 40, headers, 400, None, "bad:binary"
         return path, json.dumps(good).encode(), headers, 400, None, f"bad:{kind}"
     kind = rng.choice(["double", "double_binary", "varlen", "bytes"])
     if kind.startswith("double"):
         rows = rng.randint(1, 8)
-        x = np.asarray([[rng.uniform(-100, 100) for _ in range(16)] for _ in range(rows)],
-                       dtype=np.float32)
+        x = np.asarray(
+            [[rng.uniform(-100, 100) for _ in range(16)] for _ in range(rows)], dtype=np.float32
+        )
         expected = (x * 2).ravel()
         if kind == "double_binary":
-            header = json.dumps({"inputs": [{"name": "INPUT0", "shape": [rows, 16],
-                                             "datatype": "FP32",
-                                             "parameters": {"binary_data_size": x.nbytes}}],
-                                 "outputs": [{"name": "OUTPUT0",
-                                              "parameters": {"binary_data": True}}]}).encode()
+            header = json.dumps(
+                {
+                    "inputs": [
+                        {
+                            "name": "INPUT0",
+                            "shape": [rows, 16],
+                            "datatype": "FP32",
+                            "parameters": {"binary_data_size": x.nbytes},
+                        }
+                    ],
+                    "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+                }
+            ).encode()
             headers = {"inference-header-content-length": str(len(header))}
 
             def check(response: httpx.Response) -> bool:
                 n = int(response.headers["inference-header-content-length"])
                 return np.array_equal(np.frombuffer(response.content[n:], "<f4"), expected)
 
-            return ("/v2/models/double_fp32/infer", header + x.tobytes(), headers, 200, check,
-                    kind)
-        body = {"inputs": [{"name": "INPUT0", "shape": [rows, 16], "datatype": "FP32",
-                            "data": x.ravel().tolist()}]}
-        return ("/v2/models/double_fp32/infer", json.dumps(body).encode(),
-                {"content-type": "application/json"}, 200,
-                lambda r: np.allclose(r.json()["outputs"][0]["data"], expected), kind)
+            return ("/v2/models/double_fp32/infer", header + x.tobytes(), headers, 200, check, kind)
+        body = {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": [rows, 16],
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
+        return (
+            "/v2/models/double_fp32/infer",
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+            200,
+            lambda r: np.allclose(r.json()["outputs"][0]["data"], expected),
+            kind,
+        )
     if kind == "varlen":
         width = rng.randint(0, 64)
         x = np.asarray([rng.uniform(-1, 1) for _ in range(width)], dtype=np.float32)
-        body = {"inputs": [{"name": "X", "shape": [1, width], "datatype": "FP32",
-                            "data": x.tolist()}]}
-        return ("/v2/models/varlen_fp32/infer", json.dumps(body).encode(),
-                {"content-type": "application/json"}, 200,
-                lambda r: np.allclose(r.json()["outputs"][0]["data"], x + 1), kind)
+        body = {
+            "inputs": [{"name": "X", "shape": [1, width], "datatype": "FP32", "data": x.tolist()}]
+        }
+        return (
+            "/v2/models/varlen_fp32/infer",
+            json.dumps(body).encode(),
+            {"content-type": "application/json"},
+            200,
+            lambda r: np.allclose(r.json()["outputs"][0]["data"], x + 1),
+            kind,
+        )
     text = "".join(rng.choice("abcdé✓ \u0000xyz") for _ in range(rng.randint(0, 60)))
     body = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
 
@@ -119,20 +162,41 @@ def make_request(rng: random.Random, bad_share: float):
         outputs = {o["name"]: o["data"] for o in response.json()["outputs"]}
         return outputs["TEXT_OUT"] == [text] and outputs["LEN"] == [len(text.encode())]
 
-    return ("/v2/models/echo_bytes/infer", json.dumps(body).encode(),
-            {"content-type": "application/json"}, 200, check_text, kind)
+    return (
+        "/v2/models/echo_bytes/infer",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+        200,
+        check_text,
+        kind,
+    )
 
 
 async def run(args: argparse.Namespace) -> dict:
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "gpuserve", "serve", "--model-repository", str(REPOSITORY),
-         "--host", "127.0.0.1", "--http-port", str(port), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "gpuserve",
+            "serve",
+            "--model-repository",
+            str(REPOSITORY),
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=30,
-                                     limits=httpx.Limits(max_connections=args.concurrency)) as client:
+        async with httpx.AsyncClient(
+            base_url=url, timeout=30, limits=httpx.Limits(max_connections=args.concurrency)
+        ) as client:
             for _ in range(600):
                 try:
                     if (await client.get("/v2/health/ready")).status_code == 200:
@@ -169,13 +233,15 @@ async def run(args: argparse.Namespace) -> dict:
                     await asyncio.sleep(args.window_s)
                     lat = sorted(window_latencies)
                     window_latencies.clear()
-                    windows.append({
-                        "t_s": round(time.monotonic() - start, 1),
-                        "rss_mib": round(rss_bytes(server.pid) / 2**20, 1),
-                        "requests": len(lat),
-                        "p50_ms": round(lat[len(lat) // 2] * 1000, 2) if lat else None,
-                        "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 2) if lat else None,
-                    })
+                    windows.append(
+                        {
+                            "t_s": round(time.monotonic() - start, 1),
+                            "rss_mib": round(rss_bytes(server.pid) / 2**20, 1),
+                            "requests": len(lat),
+                            "p50_ms": round(lat[len(lat) // 2] * 1000, 2) if lat else None,
+                            "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 2) if lat else None,
+                        }
+                    )
                     print(windows[-1], flush=True)
 
             await asyncio.gather(sampler(), *(worker(i) for i in range(args.concurrency)))
@@ -183,12 +249,15 @@ async def run(args: argparse.Namespace) -> dict:
         server.send_signal(signal.SIGTERM)
         exit_code = server.wait(60)
     rss = [w["rss_mib"] for w in windows]
-    settled = rss[len(rss) // 4:] or rss
+    settled = rss[len(rss) // 4 :] or rss
     return {
-        "date": dt.date.today().isoformat(), "args": vars(args), "windows": windows,
+        "date": dt.date.today().isoformat(),
+        "args": vars(args),
+        "windows": windows,
         "outcomes": dict(outcomes),
         "failures": {k: v for k, v in outcomes.items() if k.startswith("failure")},
-        "rss_first_mib": rss[0] if rss else None, "rss_last_mib": rss[-1] if rss else None,
+        "rss_first_mib": rss[0] if rss else None,
+        "rss_last_mib": rss[-1] if rss else None,
         "rss_growth_after_warmup_mib": (settled[-1] - settled[0]) if settled else None,
         "server_exit_code": exit_code,
     }
@@ -217,8 +286,10 @@ def main() -> int:
         "",
         "| t (s) | RSS MiB | requests | p50 ms | p99 ms |",
         "|---|---|---|---|---|",
-        *(f"| {w['t_s']} | {w['rss_mib']} | {w['requests']} | {w['p50_ms']} | {w['p99_ms']} |"
-          for w in report["windows"]),
+        *(
+            f"| {w['t_s']} | {w['rss_mib']} | {w['requests']} | {w['p50_ms']} | {w['p99_ms']} |"
+            for w in report["windows"]
+        ),
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:5]))

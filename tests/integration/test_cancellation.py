@@ -20,8 +20,11 @@ def slow_model_log(server) -> list[float]:
 
 
 def body(tag: float) -> dict:
-    return {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
-                        "data": [tag] + [0.0] * 15}]}
+    return {
+        "inputs": [
+            {"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [tag] + [0.0] * 15}
+        ]
+    }
 
 
 def send_raw(port: int, tag: float) -> socket.socket:
@@ -31,14 +34,18 @@ def send_raw(port: int, tag: float) -> socket.socket:
     sock.sendall(
         b"POST /v2/models/slow_fp32_1s/infer HTTP/1.1\r\nHost: test\r\n"
         b"Content-Type: application/json\r\nContent-Length: "
-        + str(len(payload)).encode() + b"\r\n\r\n" + payload
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+        + payload
     )
     return sock
 
 
 def call(url: str, tag: float, timeout_s: float) -> int | None:
     try:
-        response = httpx.post(f"{url}/v2/models/slow_fp32_1s/infer", json=body(tag), timeout=timeout_s)
+        response = httpx.post(
+            f"{url}/v2/models/slow_fp32_1s/infer", json=body(tag), timeout=timeout_s
+        )
     except httpx.TimeoutException:
         return None
     assert response.json()["outputs"][0]["data"][0] == 2 * tag
