@@ -469,9 +469,7 @@ class ServerConfig(BaseSettings):
     strict_readiness: bool = False
     disable_management: bool = False
     management_token: SecretStr | None = None
-    trace_dir: Path = Field(
-        default_factory=lambda: Path(tempfile.gettempdir()) / "gpuserve-traces"
-    )
+    trace_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "gpuserve-traces")
     enable_management: bool = False
     api_token: SecretStr | None = None
     tls_cert_file: Path | None = None

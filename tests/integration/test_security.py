@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.fixtures.lifecycle_support import make_repository
@@ -486,6 +488,22 @@ def test_redactor_rules():
     relative = Redactor(Path("models")).text
     assert relative("models/m/config.yaml: field x") == "m/config.yaml: field x"
     assert relative("GET /v2/models/m") == "GET /v2/models/m"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.from_regex(r"[A-Za-z0-9_.-]{1,12}", fullmatch=True), min_size=1, max_size=4),
+    st.text(max_size=20),
+    st.sampled_from(["", ": bad", "' (line 3)", ", and more", "\n"]),
+)
+def test_redactor_never_lets_an_absolute_path_through(parts, before, after):
+    from gpuserve.server.security import Redactor
+
+    root = "/srv/model-repo"
+    redact = Redactor(Path(root)).text
+    for path in (root + "/" + "/".join(parts), "/opt/elsewhere/" + "/".join(parts)):
+        message = redact(f"{before} {path}{after}")
+        assert root not in message and "/opt/elsewhere" not in message, message
 
 
 # -- nothing loads from outside the repository -------------------------------------------------

@@ -229,6 +229,7 @@ class TuneResult:
     elapsed_s: float
     stopped_by_budget: bool
     config: dict[str, Any]
+    finalists: list[Evaluation] = field(default_factory=list)
 
 
 class Tuner:
@@ -265,6 +266,7 @@ class Tuner:
         self._seen: dict[Candidate, Evaluation] = {}
         self._start = 0.0
         self.stopped_by_budget = False
+        self.finalists: list[Evaluation] = []
 
     # -- measuring one candidate -----------------------------------------------------------
 
@@ -437,6 +439,7 @@ class Tuner:
             elapsed_s=self.elapsed(),
             stopped_by_budget=self.stopped_by_budget,
             config=config,
+            finalists=self.finalists,
         )
 
     def _confirm(self, baseline: Evaluation) -> Evaluation:
@@ -446,8 +449,8 @@ class Tuner:
         if not ranked:
             return baseline
         finalists = ranked[: max(1, self.settings.confirm)]
-        if baseline.best is not None and baseline not in finalists and finalists:
-            finalists = [*finalists[:-1], baseline] if len(finalists) > 1 else finalists
+        if baseline.best is not None and baseline not in finalists and self.settings.confirm:
+            finalists.append(baseline)  # the current config is always re-measured with them
         if self.settings.confirm > 0 and len(finalists) > 1:
             for evaluation in finalists:
                 if not self._fits_budget():
@@ -462,6 +465,7 @@ class Tuner:
                     f"{evaluation.candidate.label():<60} runs "
                     + ", ".join(f"{r:.1f}" for r in evaluation.runs)
                 )
+        self.finalists = finalists
         winner = max(finalists, key=lambda e: e.score)
         if baseline.best is not None and winner is not baseline and winner.score < baseline.score:
             winner = baseline

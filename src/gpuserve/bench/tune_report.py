@@ -90,14 +90,21 @@ def why(result: TuneResult) -> list[str]:
             )
             + "."
         )
-    ranked = sorted(
-        (e for e in result.evaluations if e.best is not None and e is not winner),
-        key=lambda e: e.score,
-        reverse=True,
-    )
-    if ranked:
-        runner = ranked[0]
-        lines.append(f"Runner-up: `{runner.candidate.label()}` at {runner.score:.1f} rows/s.")
+    confirmed = [e for e in result.finalists if len(e.runs) > 1]
+    if confirmed:
+        lines.append(
+            "Measured again at the end (the mean of the runs decides): "
+            + "; ".join(
+                f"`{e.candidate.label()}` " + ", ".join(f"{r:.1f}" for r in e.runs)
+                for e in sorted(confirmed, key=lambda e: e.score, reverse=True)
+            )
+            + " rows/s."
+        )
+    if winner.candidate.precision != baseline.candidate.precision:
+        lines.append(
+            f"Precision {winner.candidate.precision} changes the model's numerics: check its "
+            "accuracy before serving it (the tuner measures speed only)."
+        )
     over = [e for e in result.evaluations if e.status == "over budget"]
     failed = [e for e in result.evaluations if e.status == "failed"]
     if over:
