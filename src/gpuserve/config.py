@@ -90,6 +90,9 @@ class DynamicBatchingConfig(_Strict):
             0 means no timeout. A request past it is refused with 503 and never run.
         priority_levels: Number of priority levels; level 1 is served first.
         default_priority_level: Level of a request that names none.
+        early_dispatch: Send a batch before ``max_queue_delay_us`` runs out once as many rows
+            are queued as the previous batch carried (under a steady load that is all that is
+            coming: waiting longer only idles the instance).
         adaptive: Adaptive batching settings; None (default) keeps the fixed delay.
     """
 
@@ -99,6 +102,7 @@ class DynamicBatchingConfig(_Strict):
     default_timeout_us: int = Field(default=0, ge=0)
     priority_levels: int = Field(default=1, ge=1, le=16)
     default_priority_level: int = Field(default=1, ge=1)
+    early_dispatch: bool = True
     adaptive: AdaptiveBatchingConfig | None = None
 
     @model_validator(mode="after")

@@ -151,3 +151,18 @@ def test_requests_whose_client_left_are_dropped_not_batched():
     assert tags(batch) == ["a", "c"]
     assert [p.request.id for p in b.take_cancelled()] == ["b"]
     assert b.take_cancelled() == [] and len(b) == 0
+
+
+def test_early_dispatch_sends_once_the_previous_batch_size_is_queued():
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.002, early_dispatch=True)
+    for i in range(3):
+        b.add(item(tag=str(i)))
+    assert b.next_batch(0.0) is None  # nothing learnt yet: wait out the delay
+    assert b.next_batch(0.002).rows == 3
+    for i in range(3):
+        b.add(item(at=0.0021, tag=f"b{i}"))
+    batch = b.next_batch(0.0021)  # as many as last time: no need to wait
+    assert batch is not None and batch.rows == 3
+    b.add(item(at=0.003, tag="c"))
+    assert b.next_batch(0.003) is None  # fewer than last time: wait (bounded by the delay)
+    assert b.next_batch(0.005).rows == 1

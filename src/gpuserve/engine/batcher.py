@@ -14,9 +14,9 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   batch, so requests of different sequence lengths are never stacked into one wrong tensor.
   The oldest request of the highest priority level leads; compatible requests join in priority
   then arrival order while their rows fit in ``max_batch_size``.
-* A batch is sent at once when it is full, when it reaches a preferred batch size, or when
-  ``max_queue_delay_s`` is 0; otherwise once the leading request has waited
-  ``max_queue_delay_s``.
+* A batch is sent at once when it is full, when it reaches a preferred batch size, when
+  ``max_queue_delay_s`` is 0, or (``early_dispatch``) when as many rows are queued as the
+  previous batch carried; otherwise once the leading request has waited ``max_queue_delay_s``.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -83,6 +83,8 @@ class DynamicBatcher:
         preferred_batch_sizes: Row counts that are sent without waiting.
         max_queue_size: Most queued requests; ``add`` raises OverloadedError beyond it.
         priority_levels: Number of levels; level 1 is served first.
+        early_dispatch: Also send a batch, before the delay runs out, once as many rows are
+            queued as the previous batch carried.
     """
 
     def __init__(
@@ -92,12 +94,15 @@ class DynamicBatcher:
         preferred_batch_sizes: list[int] | None = None,
         max_queue_size: int = 1024,
         priority_levels: int = 1,
+        early_dispatch: bool = False,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         # Rows cap below max_batch_size, set by an adaptive policy (engine/adaptive.py);
         # a batch dispatches without waiting once it can reach the cap. None = no cap.
         self.row_cap: int | None = None
+        self.early_dispatch = early_dispatch
+        self._last_rows = 0
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
         self._levels: list[deque[Pending]] = [deque() for _ in range(priority_levels)]
@@ -225,12 +230,19 @@ class DynamicBatcher:
         waited_out = now - head.arrival_s >= self.max_queue_delay_s
         full = available >= limit
         preferred_hit = bool(self.preferred) and available >= self.preferred[0]
-        if not (waited_out or full or preferred_hit):
+        # As many rows as the last batch carried: under a steady closed loop that is all that
+        # is coming, and waiting out the delay would only idle the instance.
+        expected_hit = self.early_dispatch and 0 < self._last_rows <= available
+        if not (waited_out or full or preferred_hit or expected_hit):
             return None
-        target = self._target_rows(available) if not waited_out else min(available, limit)
+        take_all = waited_out or expected_hit
+        target = min(available, limit) if take_all else self._target_rows(available)
         target = max(min(target, limit), head.rows)
         batch = self._take(head.shape_key, target, now)
-        return batch if batch.items else None
+        if not batch.items:
+            return None
+        self._last_rows = batch.rows
+        return batch
 
     def _take(self, key: Hashable, target: int, now: float) -> Batch:
         items: list[Pending] = []

@@ -67,6 +67,7 @@ class ModelScheduler:
             preferred_batch_sizes=db.preferred_batch_sizes,
             max_queue_size=db.max_queue_size,
             priority_levels=db.priority_levels,
+            early_dispatch=db.early_dispatch,
         )
         # adaptive batching: a policy sets the batcher's delay and row cap (engine/adaptive.py)
         self.adaptive = (
