@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigterm_under_load_loses_no_request():
-    server = SubprocessServer("--model-repository", str(FIXTURE_REPOSITORY),
-                              "--shutdown-timeout-s", "20")
+    server = SubprocessServer(
+        "--model-repository", str(FIXTURE_REPOSITORY), "--shutdown-timeout-s", "20"
+    )
     outcomes: list[str] = []
     lock = threading.Lock()
     stop = threading.Event()
@@ -28,12 +29,24 @@ def test_sigterm_under_load_loses_no_request():
         while not stop.is_set():
             tag = float(worker * 10_000 + n)
             n += 1
-            body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
-                                "data": [tag] + [1.0] * 15}]}
+            body = {
+                "inputs": [
+                    {
+                        "name": "INPUT0",
+                        "shape": [1, 16],
+                        "datatype": "FP32",
+                        "data": [tag] + [1.0] * 15,
+                    }
+                ]
+            }
             try:
                 # a new connection per request: a request is either sent or refused at connect
-                response = httpx.post(f"{server.url}/v2/models/slow_fp32/infer", json=body,
-                                      timeout=30, headers={"connection": "close"})
+                response = httpx.post(
+                    f"{server.url}/v2/models/slow_fp32/infer",
+                    json=body,
+                    timeout=30,
+                    headers={"connection": "close"},
+                )
             except httpx.ConnectError:
                 outcome = "refused"
                 stop.wait(0.05)

@@ -19,7 +19,7 @@ from gpuserve.engine.scheduler import ModelScheduler
 
 pytestmark = pytest.mark.gpu
 
-MLP = '''
+MLP = """
 import torch
 
 
@@ -32,7 +32,7 @@ class Model(torch.nn.Module):
 
     def forward(self, x):
         return self.net(x)
-'''
+"""
 
 HOG = '''
 import torch
@@ -58,7 +58,9 @@ def backend(tmp_path: Path, source: str, max_batch: int = 8, **config) -> TorchB
     (folder / "model.py").write_text(source)
     width = 64 if source is MLP else 16
     cfg = ModelConfig(
-        name="m", backend="torch", max_batch_size=max_batch,
+        name="m",
+        backend="torch",
+        max_batch_size=max_batch,
         inputs=[{"name": "x", "datatype": "FP32", "shape": [width]}],
         outputs=[{"name": "y", "datatype": "FP32", "shape": [16]}],
         **config,
@@ -95,8 +97,9 @@ def test_real_out_of_memory_batch_is_split_and_server_recovers(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory
     mib_per_row = int(total / 2**20 / 6)  # 8 rows never fit, 2 rows do
     source = HOG.replace("MB_PER_ROW = 4096", f"MB_PER_ROW = {mib_per_row // 1024 or 1}")
-    source = source.replace("(rows, self.MB_PER_ROW, 256, 1024)",
-                            f"(rows, {mib_per_row}, 256, 1024)")
+    source = source.replace(
+        "(rows, self.MB_PER_ROW, 256, 1024)", f"(rows, {mib_per_row}, 256, 1024)"
+    )
 
     async def main() -> None:
         b = backend(tmp_path, source)
@@ -108,10 +111,12 @@ def test_real_out_of_memory_batch_is_split_and_server_recovers(tmp_path):
         instance.start()
         scheduler.attach([instance], asyncio.get_running_loop())
         values = [float(i) for i in range(8)]
-        results = await asyncio.gather(*(
-            scheduler.infer(InferenceRequest("m", None, {"x": np.full((1, 16), v, np.float32)}))
-            for v in values
-        ))
+        results = await asyncio.gather(
+            *(
+                scheduler.infer(InferenceRequest("m", None, {"x": np.full((1, 16), v, np.float32)}))
+                for v in values
+            )
+        )
         for v, result in zip(values, results, strict=True):
             np.testing.assert_array_equal(result.outputs["y"], np.full((1, 16), 2 * v))
         await scheduler.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpuserve.backends.loader import import_module_from_path
 
-SOURCE = '''
+SOURCE = """
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ class Box:
 
 
 VALUE = Box(3).width
-'''
+"""
 
 
 def test_dataclass_with_postponed_annotations_imports(tmp_path):

@@ -27,10 +27,10 @@ CONFIG = ModelConfig(
 )
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
-    | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -55,7 +55,8 @@ request_bodies = st.fixed_dictionaries(
         "outputs": st.lists(st.fixed_dictionaries({"name": st.text(max_size=8)}), max_size=2)
         | json_values,
         "parameters": st.dictionaries(
-            st.sampled_from(["priority", "timeout", "binary_data_output", "x"]), json_values,
+            st.sampled_from(["priority", "timeout", "binary_data_output", "x"]),
+            json_values,
             max_size=3,
         ),
     },
@@ -115,8 +116,7 @@ def test_batcher_never_loses_duplicates_or_mixes_requests(ops, delay, preferred)
         now += step
         if op == "add":
             request = InferenceRequest("m", None, {"x": np.zeros((rows, 1))})
-            item = Pending(request, rows, key, now, now + 0.02 if has_deadline else None,
-                           priority)
+            item = Pending(request, rows, key, now, now + 0.02 if has_deadline else None, priority)
             try:
                 batcher.add(item)
             except OverloadedError:

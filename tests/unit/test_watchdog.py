@@ -41,7 +41,9 @@ class HangsOnMarker(Backend):
 
 
 CONFIG = ModelConfig(
-    name="m", max_batch_size=4, execution_timeout_s=0.3,
+    name="m",
+    max_batch_size=4,
+    execution_timeout_s=0.3,
     inputs=[TensorSpec(name="INPUT0", datatype="FP32", shape=[2])],
     outputs=[TensorSpec(name="OUTPUT0", datatype="FP32", shape=[2])],
 )
