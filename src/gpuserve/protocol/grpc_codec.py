@@ -35,9 +35,9 @@ import numpy as np
 
 from gpuserve.datatypes import NUMPY_DTYPES
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
-from gpuserve.errors import BackendError, InvalidInputError
+from gpuserve.errors import InvalidInputError
 from gpuserve.protocol.binary import bytes_elements, serialize_bytes
-from gpuserve.protocol.http_codec import _fixed_size_output
+from gpuserve.protocol.http_codec import _fixed_size_output, declared_output
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.shapes import (
     check_datatype,
@@ -323,17 +323,7 @@ def encode_infer_response(
     tensors: list[pb.ModelInferResponse.InferOutputTensor] = []
     payloads: list[bytes] = []
     for name, array in response.outputs.items():
-        spec = _spec(config.outputs, name)
-        if spec is None:
-            raise BackendError(
-                f"model returned output {name!r}, which it does not declare "
-                f"(declared: {_names(config.outputs)})"
-            )
-        if not isinstance(array, np.ndarray):
-            raise BackendError(
-                f"output {name!r}: the model returned a {type(array).__name__}, not an array"
-            )
-        datatype = spec.datatype
+        datatype = declared_output(config, name, array).datatype
         if datatype == "BYTES":
             payloads.append(serialize_bytes(bytes_elements(array, name), name))
         else:

@@ -387,6 +387,25 @@ def _fixed_size_output(array: np.ndarray, datatype: str, name: str) -> np.ndarra
     return array
 
 
+def declared_output(config: ModelConfig, name: str, array: Any) -> TensorSpec:
+    """The declared spec of output ``name``, checking the model returned an array for it.
+
+    Raises:
+        BackendError: the model does not declare ``name``, or ``array`` is not an ndarray.
+    """
+    spec = _spec(config.outputs, name)
+    if spec is None:
+        raise BackendError(
+            f"model returned output {name!r}, which it does not declare "
+            f"(declared: {_names(config.outputs)})"
+        )
+    if not isinstance(array, np.ndarray):
+        raise BackendError(
+            f"output {name!r}: the model returned a {type(array).__name__}, not an array"
+        )
+    return spec
+
+
 def encode_infer_response(
     response: InferenceResponse, options: OutputOptions, config: ModelConfig
 ) -> EncodedResponse:
@@ -408,17 +427,7 @@ def encode_infer_response(
     entries: list[dict[str, Any]] = []
     buffers: list[Any] = []
     for name, array in response.outputs.items():
-        spec = _spec(config.outputs, name)
-        if spec is None:
-            raise BackendError(
-                f"model returned output {name!r}, which it does not declare "
-                f"(declared: {_names(config.outputs)})"
-            )
-        if not isinstance(array, np.ndarray):
-            raise BackendError(
-                f"output {name!r}: the model returned a {type(array).__name__}, not an array"
-            )
-        datatype = spec.datatype
+        datatype = declared_output(config, name, array).datatype
         shape = list(array.shape)
         if options.binary.get(name, options.default_binary):
             if datatype == "BYTES":
