@@ -31,13 +31,11 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from gpuserve.backends import backend_class, create_backend
-from gpuserve.backends.base import LoadContext
 from gpuserve.config import CONFIG_FILENAME, CanaryConfig, ServerConfig, parse_model_config
-from gpuserve.engine.instance import Instance, resolve_pipeline_depth
 from gpuserve.engine.scheduler import ModelScheduler
 from gpuserve.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelNotReadyError
-from gpuserve.repository.devices import instance_devices, release_device_memory
+from gpuserve.repository.devices import release_device_memory
+from gpuserve.repository.loading import load_version, serving, stop_version
 from gpuserve.repository.report import index_rows, model_status, model_summary
 from gpuserve.repository.repository import (
     Fingerprint,
@@ -55,9 +53,6 @@ __all__ = ["Model", "ModelManager", "ModelVersion", "Route", "VersionState"]
 logger = logging.getLogger(__name__)
 
 ControlMode = Literal["none", "explicit", "poll"]
-
-#: How often a draining version's in-flight count is checked, seconds.
-_DRAIN_POLL_S = 0.005
 
 
 class ModelManager:
@@ -217,7 +212,7 @@ class ModelManager:
             for mv in list(model.versions.values()):
                 if mv.scheduler is not None:
                     mv.state = VersionState.UNLOADING
-                    closing.append(self._stop(mv, drain_timeout_s))
+                    closing.append(stop_version(mv, drain_timeout_s))
         await asyncio.gather(*closing)
 
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -457,11 +452,11 @@ class ModelManager:
                     f"model '{name}' version {version} is not ready: {mv.state.value}"
                     + (f" ({mv.reason})" if mv.reason else "")
                 )
-            return _healthy(mv)
+            return serving(mv)
         mv = model.route.default
         if mv is None or mv.state is not VersionState.READY:
             raise ModelNotReadyError(f"model '{name}' is not ready: {self.model_status(model)}")
-        return _healthy(mv)
+        return serving(mv)
 
     def split(self, mv: ModelVersion, request_id: str | None) -> ModelVersion:
         """Where an unversioned request that :meth:`version` resolved to ``mv`` goes: ``mv``,
@@ -744,7 +739,7 @@ class ModelManager:
     async def _retire(self, model: Model, retiring: list[ModelVersion], why: str) -> None:
         if not retiring:
             return
-        await asyncio.gather(*(self._stop(mv, self.unload_timeout_s) for mv in retiring))
+        await asyncio.gather(*(stop_version(mv, self.unload_timeout_s) for mv in retiring))
         for mv in retiring:
             if model.versions.get(mv.version) is mv:
                 del model.versions[mv.version]
@@ -756,29 +751,10 @@ class ModelManager:
         the route) and take them out of the loaded set."""
         for mv in list(versions):
             mv.state = VersionState.UNLOADING
-            await self._stop(mv, 0.0)
+            await stop_version(mv, 0.0)
             number = mv.version
             if model.versions.get(number) is mv:
                 del model.versions[number]
-
-    async def _stop(self, mv: ModelVersion, timeout_s: float) -> None:
-        """Drain ``mv`` (its queued and running requests finish, up to ``timeout_s``), stop
-        its instances (each backend's ``unload`` runs) and drop the references to them."""
-        scheduler = mv.scheduler
-        if scheduler is None:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        # The route no longer leads here; requests already admitted finish. Polling the
-        # count (not closing at once) lets a request that looked the route up just before the
-        # switch still be admitted.
-        while scheduler.in_flight_requests > 0 and loop.time() < deadline:
-            await asyncio.sleep(_DRAIN_POLL_S)
-        await asyncio.sleep(_DRAIN_POLL_S)
-        await scheduler.close(max(0.0, deadline - loop.time()))
-        scheduler.instances = []
-        mv.scheduler = None
-        logger.info("model %s version %d unloaded", mv.model, mv.version)
 
     async def _load_new(self, model: Model, folder: VersionFolder) -> ModelVersion:
         assert model.source_config is not None
@@ -806,75 +782,7 @@ class ModelManager:
         return mv
 
     async def _load_version(self, mv: ModelVersion) -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        instances: list[Instance] = []
-        try:
-            # The backend completes the config from this version's model file (or checks it
-            # against it) before anything is built, so the scheduler, the protocol and the
-            # config endpoints all see the completed config.
-            complete = backend_class(mv.config.backend).complete_config
-            mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
-            scheduler = ModelScheduler(mv.config, str(mv.version))
-            for index, device in enumerate(instance_devices(mv.config)):
-                instances.append(
-                    await loop.run_in_executor(
-                        None, self._start_instance, mv, scheduler, index, device
-                    )
-                )
-        except BaseException as err:
-            for instance in instances:
-                await loop.run_in_executor(None, instance.stop)
-            mv.state = VersionState.FAILED
-            mv.reason = f"failed to load: {type(err).__name__}: {err}"
-            logger.error("model %s version %d %s", mv.model, mv.version, mv.reason)
-            if not isinstance(err, Exception):
-                raise
-            return
-
-        async def respawn(dead: Instance) -> Instance:
-            """Replacement for an instance the scheduler's watchdog found hung."""
-            ctx = dead.context
-            return await loop.run_in_executor(
-                None, self._start_instance, mv, scheduler, ctx.instance_index, ctx.device
-            )
-
-        scheduler.attach(instances, loop, respawn)
-        mv.scheduler = scheduler
-        for listener in self.version_listeners:
-            listener(mv)
-        mv.state = VersionState.READY
-        logger.info(
-            "model %s version %d ready: %d instance(s) on %s, loaded in %.2f s",
-            mv.model,
-            mv.version,
-            len(instances),
-            ", ".join(i.context.device for i in instances),
-            loop.time() - started,
-        )
-
-    @staticmethod
-    def _start_instance(
-        mv: ModelVersion, scheduler: ModelScheduler, index: int, device: str
-    ) -> Instance:
-        """Build, load and warm up instance ``index`` of ``mv`` on ``device`` (blocking)."""
-        context = LoadContext(
-            config=mv.config,
-            version_path=mv.path,
-            version=mv.version,
-            device=device,
-            instance_index=index,
-            parameters=dict(mv.config.parameters),
-        )
-        instance = Instance(
-            f"{mv.model}:{mv.version}#{index}",
-            create_backend(mv.config.backend),
-            context,
-            scheduler.on_batch_done,
-            pipeline_depth=resolve_pipeline_depth(mv.config, device),
-        )
-        instance.start()
-        return instance
+        await load_version(mv, self.version_listeners)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -936,17 +844,3 @@ class ModelManager:
         causes = "; ".join(f"version {v}: {reason}" for v, reason in sorted(failures.items()))
         tail = f"; version {served} keeps serving" if served is not None else ""
         raise ConfigError(f"failed to load model '{model.name}': {causes}{tail}")
-
-
-def _healthy(mv: ModelVersion) -> ModelVersion:
-    """``mv``, unless every instance of it is being replaced after a hang (BC-22).
-
-    Raises:
-        ModelNotReadyError: no instance can run batches until a replacement has loaded.
-    """
-    if mv.scheduler is not None and not mv.scheduler.healthy:
-        raise ModelNotReadyError(
-            f"model '{mv.model}' version {mv.version} is not ready: its instance is being "
-            "restarted after it stopped responding"
-        )
-    return mv

@@ -1,0 +1,131 @@
+"""Loading, health and stopping of one model version (the manager decides when).
+
+``load_version`` completes a version's config from its model file, starts its instances (with
+a respawn hook for the scheduler's watchdog) and marks it READY or failed; ``stop_version``
+drains and unloads it; ``serving`` refuses a version whose instances are all being replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gpuserve.backends import backend_class, create_backend
+from gpuserve.backends.base import LoadContext
+from gpuserve.engine.instance import Instance, resolve_pipeline_depth
+from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.errors import ModelNotReadyError
+from gpuserve.repository.devices import instance_devices
+from gpuserve.repository.state import ModelVersion, VersionState
+
+logger = logging.getLogger(__name__)
+
+# How often a draining version's in-flight count is checked, seconds.
+_DRAIN_POLL_S = 0.005
+
+
+async def load_version(mv: ModelVersion, listeners: list[Callable[[ModelVersion], None]]) -> None:
+    """Complete the config, build and start every instance of ``mv``, then mark it READY; on
+    failure stop what started and mark it failed with the reason (raises no Exception)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    instances: list[Instance] = []
+    try:
+        # The backend completes the config from this version's model file (or checks it
+        # against it) before anything is built, so the scheduler, the protocol and the
+        # config endpoints all see the completed config.
+        complete = backend_class(mv.config.backend).complete_config
+        mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
+        scheduler = ModelScheduler(mv.config, str(mv.version))
+        for index, device in enumerate(instance_devices(mv.config)):
+            instances.append(
+                await loop.run_in_executor(None, start_instance, mv, scheduler, index, device)
+            )
+    except BaseException as err:
+        for instance in instances:
+            await loop.run_in_executor(None, instance.stop)
+        mv.state = VersionState.FAILED
+        mv.reason = f"failed to load: {type(err).__name__}: {err}"
+        logger.error("model %s version %d %s", mv.model, mv.version, mv.reason)
+        if not isinstance(err, Exception):
+            raise
+        return
+
+    async def respawn(dead: Instance) -> Instance:
+        """Replacement for an instance the scheduler's watchdog found hung."""
+        ctx = dead.context
+        return await loop.run_in_executor(
+            None, start_instance, mv, scheduler, ctx.instance_index, ctx.device
+        )
+
+    scheduler.attach(instances, loop, respawn)
+    mv.scheduler = scheduler
+    for listener in listeners:
+        listener(mv)
+    mv.state = VersionState.READY
+    logger.info(
+        "model %s version %d ready: %d instance(s) on %s, loaded in %.2f s",
+        mv.model,
+        mv.version,
+        len(instances),
+        ", ".join(i.context.device for i in instances),
+        loop.time() - started,
+    )
+
+
+def start_instance(
+    mv: ModelVersion, scheduler: ModelScheduler, index: int, device: str
+) -> Instance:
+    """Build, load and warm up instance ``index`` of ``mv`` on ``device`` (blocking)."""
+    context = LoadContext(
+        config=mv.config,
+        version_path=mv.path,
+        version=mv.version,
+        device=device,
+        instance_index=index,
+        parameters=dict(mv.config.parameters),
+    )
+    instance = Instance(
+        f"{mv.model}:{mv.version}#{index}",
+        create_backend(mv.config.backend),
+        context,
+        scheduler.on_batch_done,
+        pipeline_depth=resolve_pipeline_depth(mv.config, device),
+    )
+    instance.start()
+    return instance
+
+
+async def stop_version(mv: ModelVersion, timeout_s: float) -> None:
+    """Drain ``mv`` (its queued and running requests finish, up to ``timeout_s``), stop
+    its instances (each backend's ``unload`` runs) and drop the references to them."""
+    scheduler = mv.scheduler
+    if scheduler is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # The route no longer leads here; requests already admitted finish. Polling the
+    # count (not closing at once) lets a request that looked the route up just before the
+    # switch still be admitted.
+    while scheduler.in_flight_requests > 0 and loop.time() < deadline:
+        await asyncio.sleep(_DRAIN_POLL_S)
+    await asyncio.sleep(_DRAIN_POLL_S)
+    await scheduler.close(max(0.0, deadline - loop.time()))
+    scheduler.instances = []
+    mv.scheduler = None
+    logger.info("model %s version %d unloaded", mv.model, mv.version)
+
+
+def serving(mv: ModelVersion) -> ModelVersion:
+    """``mv``, unless every instance of it is being replaced after a hang (BC-22).
+
+    Raises:
+        ModelNotReadyError: no instance can run batches until a replacement has loaded.
+    """
+    if mv.scheduler is not None and not mv.scheduler.healthy:
+        raise ModelNotReadyError(
+            f"model '{mv.model}' version {mv.version} is not ready: its instance is being "
+            "restarted after it stopped responding"
+        )
+    return mv
