@@ -68,7 +68,7 @@ class InProcessServer:
         self.thread = threading.Thread(target=self.server.run, name="gpuserve-test", daemon=True)
         self.thread.start()
         end = time.monotonic() + ready_timeout_s
-        while not self.server.uvicorn.started:
+        while not self.server.started.is_set():
             if not self.thread.is_alive() or time.monotonic() > end:
                 raise RuntimeError("in-process server failed to start")
             time.sleep(0.01)

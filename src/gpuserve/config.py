@@ -452,6 +452,9 @@ class ServerConfig(BaseSettings):
         max_tensor_elements: Most elements in one input tensor (400 beyond, checked on the
             shape before any data is read).
         max_bytes_element_bytes: Longest element of a BYTES input, bytes (400 beyond).
+        http_keep_alive_timeout_s: An HTTP connection idle this many seconds is closed
+            (0: never). Keep it above the idle timeout of any proxy in front (nginx keeps
+            upstream connections 60 s), or the proxy may reuse a connection being closed.
     """
 
     model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
@@ -481,6 +484,7 @@ class ServerConfig(BaseSettings):
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
     max_bytes_element_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    http_keep_alive_timeout_s: float = Field(default=75.0, ge=0)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:

@@ -131,7 +131,8 @@ class ModelScheduler:
         return tuple((name, arr.shape[1:]) for name, arr in request.inputs.items())
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        """Queue ``request``, wait for its batch to run, and return its own rows.
+        """Queue ``request``, wait for its batch to run, and return its own rows. Cancelling
+        the caller takes the request out of the queue if its batch has not formed yet.
 
         Raises:
             OverloadedError: the queue is full (nothing was queued).
@@ -139,6 +140,23 @@ class ModelScheduler:
             BackendError: the model failed on this request.
             UnavailableError: the version is shutting down.
         """
+        item, future = self._admit(request)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self.batcher.remove(item):
+                self._finish_failed(item, CancelledRequestError("client cancelled"), item.arrival_s)
+            raise
+
+    def submit(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
+        """Queue ``request`` and return the future of its response, without a task per
+        request (the HTTP front end answers from the future's done callback). The future
+        fails with the errors :meth:`infer` raises; admission errors raise at once."""
+        return self._admit(request)[1]
+
+    def _admit(
+        self, request: InferenceRequest
+    ) -> tuple[Pending, asyncio.Future[InferenceResponse]]:
         if self._closing or self._loop is None:
             raise self._refused(
                 UnavailableError(f"model '{self.name}' version {self.version} is unloading")
@@ -176,12 +194,7 @@ class ModelScheduler:
         tracing.queue_enter(item, self.name)
         self._idle.clear()
         self._pump()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self.batcher.remove(item):
-                self._finish_failed(item, CancelledRequestError("client cancelled"), now)
-            raise
+        return item, future
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -1,26 +1,25 @@
-"""Running the server: model loading, the HTTP listener, and an orderly shutdown.
+"""Running the server: model loading, the HTTP and gRPC listeners, and an orderly shutdown.
 
 Start-up is logged step by step; models load in the background so ``/v2/health/live`` answers
 at once while ``/v2/health/ready`` stays 503 until loading is done. On SIGTERM/SIGINT (or
 :meth:`GpuServer.stop`) readiness turns 503 and new inference requests get 503 "shutting down"
 at once, while the listeners stay open (liveness stays 200) until the requests already admitted
-have finished, up to ``shutdown_timeout_s`` (BC-25); then uvicorn stops accepting
-connections, every model version drains what is left of its queue and unloads. A second
-signal skips the wait.
+have finished, up to ``shutdown_timeout_s`` (BC-25); then the HTTP listener stops accepting,
+connections close once their answer is sent, every model version drains what is left of its
+queue and unloads, and the process exits with status 0. A second signal skips the wait.
+
+The event loop is uvloop's where it is installed (Linux, macOS), asyncio's otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
+import ssl
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
-
-import uvicorn
+from collections.abc import Callable
 
 from gpuserve.config import ServerConfig
 from gpuserve.metrics import MetricsHttpServer, ServerMetrics
@@ -28,7 +27,7 @@ from gpuserve.repository.manager import ModelManager
 from gpuserve.server import logs
 from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
-from gpuserve.server.http.headers import head_limited_protocol
+from gpuserve.server.http.connection import HttpListener
 
 logger = logging.getLogger(__name__)
 
@@ -38,56 +37,37 @@ def configure_logging(level: str, log_format: str = "text", access_log: bool = F
     logs.configure_logging(level, log_format, access_log)
 
 
+# After the listener stops accepting, connections accepted a moment before get this long to
+# deliver their request (and get a 503) before idle connections are closed: without the pause
+# a request that raced the close would be dropped without an answer.
 _ACCEPT_RACE_GRACE_S = 0.3
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM/SIGINT end the process with exit code 0 after the
-    graceful shutdown (uvicorn re-raises the signal, which would end it with -15).
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
-    With ``on_stop`` set, the first signal calls it (the server drains, then sets
-    ``should_exit``) instead of stopping at once."""
 
-    on_stop: Callable[[], None] | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    async def shutdown(self, sockets: list[Any] | None = None) -> None:
-        # Stop accepting, then give connections accepted a moment ago the time to deliver
-        # their request (and get a 503) before idle connections are closed: without the pause
-        # a request that raced the close is dropped without an answer.
-        for server in self.servers:
-            server.close()
-        await asyncio.sleep(_ACCEPT_RACE_GRACE_S)
-        await super().shutdown(sockets)
-
-    def _on_signal(self, sig: int, frame: object) -> None:
-        logger.info("received %s: stopping", signal.Signals(sig).name)
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        if self.on_stop is not None:
-            self.on_stop()
-        else:
-            self.should_exit = True
+def _ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    return context
 
 
 class GpuServer:
-    """The whole server process: manager + HTTP front end.
+    """The whole server process: model manager, HTTP and gRPC front ends, metrics endpoint.
 
     Args:
         config: Server settings.
+
+    Attributes:
+        started: Set once the HTTP listener accepts connections (models may still load).
+        loaded: Set once the initial model load has finished (successfully or not).
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -100,47 +80,78 @@ class GpuServer:
         self.metrics = ServerMetrics(self.manager)
         self.manager.version_listeners.append(self.metrics.watch_version)
         self.metrics_server: MetricsHttpServer | None = None
-        self.app = HttpApp(
-            self.manager, config, self._startup, self._shutdown, metrics=self.metrics
+        self.app = HttpApp(self.manager, config, metrics=self.metrics)
+        self.http = HttpListener(
+            self.app,
+            max_header_bytes=config.max_header_bytes,
+            max_body_bytes=config.max_request_body_bytes,
+            keep_alive_timeout_s=config.http_keep_alive_timeout_s,
         )
         self._load_task: asyncio.Task[None] | None = None
         self.grpc: GrpcServer | None = None
-        self.uvicorn = _Uvicorn(
-            uvicorn.Config(
-                self.app,
-                host=config.host,
-                port=config.http_port,
-                loop="uvloop",
-                # httptools, with a cap on the request head (431 beyond max_header_bytes)
-                http=head_limited_protocol(config.max_header_bytes),
-                lifespan="on",
-                ssl_certfile=config.tls_cert_file,
-                ssl_keyfile=config.tls_key_file,
-                access_log=False,
-                # JSON logs: uvicorn's own lines go through the root handler as JSON too.
-                log_config=None if config.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-                log_level=config.log_level,
-                timeout_graceful_shutdown=int(config.shutdown_timeout_s) or None,
-                backlog=4096,
-            )
-        )
+        self.started = threading.Event()
         self.loaded = threading.Event()
-        self.uvicorn.on_stop = self.stop
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._exit: asyncio.Event | None = None
         self._stopping = False
+        self._forced = False
         self._stop_task: asyncio.Task[None] | None = None
 
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until a signal (or :meth:`stop`) ends it. Blocks.
+
+        Raises:
+            SystemExit: (status 1) a listener could not be bound; the error is logged.
+        """
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._exit = asyncio.Event()
+        signals = threading.current_thread() is threading.main_thread()
+        if signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            try:
+                await self._startup()
+            except OSError as err:
+                logger.error("could not start: %s", err)
+                await self._shutdown()
+                raise SystemExit(1) from None
+            scheme = "https" if self.config.tls_cert_file else "http"
+            logger.info(
+                "KServe V2 HTTP on %s://%s:%d", scheme, self.config.host, self.http.port or 0
+            )
+            self.started.set()
+            await self._exit.wait()
+            await self._close_listener()
+            await self._shutdown()
+        finally:
+            if signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
     async def _startup(self) -> None:
+        """Metrics port, gRPC, HTTP listener, then the model load in the background.
+
+        Raises:
+            OSError: a port cannot be bound.
+        """
         port = self.config.metrics_port
-        if port is not None and port >= 0:  # OSError (port in use) fails the startup
+        if port is not None and port >= 0:
             self.metrics_server = MetricsHttpServer(self.metrics.registry, self.config.host, port)
             self.metrics_server.start()
-        if self.config.grpc_port >= 0:  # on this (uvicorn's) loop; a bind failure fails startup
+        if self.config.grpc_port >= 0:  # on this loop; a bind failure fails startup
             self.grpc = GrpcServer(self.manager, self.config, self.metrics)
             await self.grpc.start()
+        await self.http.start(self.config.host, self.config.http_port, _ssl_context(self.config))
         logger.info("loading models from %s", self.config.model_repository)
-        self._loop = asyncio.get_running_loop()
-        self._load_task = self._loop.create_task(self._load())
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
 
     async def _load(self) -> None:
         try:
@@ -150,6 +161,12 @@ class GpuServer:
             self.manager.initial_load_done = True
         finally:
             self.loaded.set()
+
+    async def _close_listener(self) -> None:
+        self.http.stop_accepting()
+        if not self._forced:
+            await asyncio.sleep(_ACCEPT_RACE_GRACE_S)
+        await self.http.close(0.0 if self._forced else self.config.shutdown_timeout_s)
 
     async def _shutdown(self) -> None:
         logger.info(
@@ -169,10 +186,7 @@ class GpuServer:
     @property
     def port(self) -> int:
         """The bound HTTP port (useful with ``http_port=0``); valid once started."""
-        for server in self.uvicorn.servers:
-            for sock in server.sockets:
-                return int(sock.getsockname()[1])
-        return self.config.http_port
+        return self.http.port or self.config.http_port
 
     @property
     def grpc_port(self) -> int | None:
@@ -180,23 +194,32 @@ class GpuServer:
         valid once started."""
         return self.grpc.port if self.grpc is not None else None
 
-    def run(self) -> None:
-        """Serve until a signal (or :meth:`stop`) ends it. Blocks."""
-        self.uvicorn.run()
+    # -- stopping --------------------------------------------------------------------------
+
+    def _on_signal(self, sig: int) -> None:
+        logger.info("received %s: stopping", signal.Signals(sig).name)
+        self.stop()
 
     def stop(self) -> None:
         """Ask the server to shut down gracefully (thread-safe; see the module docstring).
         A second call stops without waiting for in-flight requests."""
         loop = self._loop
-        if self._stopping or loop is None or loop.is_closed():
-            self.uvicorn.should_exit = True
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._stop_on_loop)
+
+    def _stop_on_loop(self) -> None:
+        if self._stopping:
+            self._forced = True
+            self._exit_now()
             return
         self._stopping = True
-        loop.call_soon_threadsafe(self._begin_stop)
-
-    def _begin_stop(self) -> None:
         self.manager.shutting_down = True  # ready -> 503, new requests -> 503 at once
         self._stop_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
+
+    def _exit_now(self) -> None:
+        if self._exit is not None:
+            self._exit.set()
 
     async def _drain_then_exit(self) -> None:
         timeout_s = self.config.shutdown_timeout_s
@@ -207,4 +230,4 @@ class GpuServer:
             # Queued requests get 503 now, before the process exits; running batches finish.
             logger.warning("stopping: requests left after %.1f s: refusing them", timeout_s)
             await self.manager.close(0.0)
-        self.uvicorn.should_exit = True
+        self._exit_now()

@@ -1,4 +1,4 @@
-"""KServe V2 (Open Inference Protocol) over HTTP/REST, as a bare ASGI application.
+"""KServe V2 (Open Inference Protocol) over HTTP/REST: the request handler.
 
 Endpoints (V2 core, plus Triton's model-configuration, statistics and repository-index
 extensions):
@@ -32,13 +32,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 import gpuserve
-from gpuserve.config import ServerConfig
+from gpuserve.config import ModelConfig, ServerConfig
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import (
     GpuserveError,
@@ -49,6 +49,7 @@ from gpuserve.errors import (
 from gpuserve.protocol import decode_infer_request, encode_infer_response, parse_header_length
 from gpuserve.protocol.limits import RequestLimits
 from gpuserve.repository.manager import ModelManager, ModelVersion
+from gpuserve.server.http.connection import JSON, HttpRequest
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository import ManagementDenied, RepositoryApi
 from gpuserve.server.security import OPEN_HTTP_PATHS, Redactor, Tokens, check_version_label
@@ -61,16 +62,12 @@ from gpuserve.server.timing import (
 )
 
 if TYPE_CHECKING:
+    from gpuserve.engine.request import InferenceResponse
     from gpuserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("gpuserve.access")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-JSON = b"application/json"
 _EXTENSIONS = ["binary_tensor_data", "statistics", "model_configuration", "model_repository"]
 _PLATFORM = {"python": "python", "torch": "pytorch_libtorch"}
 
@@ -88,12 +85,12 @@ class HttpError(Exception):
 
 
 class HttpApp:
-    """The ASGI application.
+    """The request handler of the REST front end (see :mod:`gpuserve.server.http.connection`
+    for the HTTP/1.1 transport that calls it).
 
     Args:
         manager: The model manager requests are routed to.
-        config: Server settings (body size limit).
-        on_startup / on_shutdown: Awaited from the ASGI lifespan protocol.
+        config: Server settings (API tokens, limits, access log).
         metrics: Serves ``GET /metrics`` and counts requests refused before they reach a
             model version; None for neither.
     """
@@ -102,55 +99,31 @@ class HttpApp:
         self,
         manager: ModelManager,
         config: ServerConfig,
-        on_startup: Callable[[], Awaitable[None]] | None = None,
-        on_shutdown: Callable[[], Awaitable[None]] | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         self.manager = manager
         self.metrics = metrics
         self.access_log = config.access_log
         self.config = config
-        self.on_startup = on_startup
-        self.on_shutdown = on_shutdown
-        self.max_body = config.max_request_body_bytes
         self.repository = RepositoryApi(manager, config)
         self.tokens = Tokens(config)
         self.redactor = Redactor(config.model_repository)
         self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                if self.on_startup is not None:
-                    await self.on_startup()
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                if self.on_shutdown is not None:
-                    await self.on_shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- request handling ------------------------------------------------------------------
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = time.monotonic()
-        method: str = scope["method"]
-        path: str = scope["path"]
-        extra_headers: list[tuple[bytes, bytes]] = []
+    def handle(self, request: HttpRequest) -> None:
+        """Answer ``request``: at once, or (inference, ``/metrics``, repository calls) when
+        its work is done. Never raises."""
+        method = request.method
+        path = request.path
         try:
             if (
                 self.tokens.api is not None
                 and path not in OPEN_HTTP_PATHS
                 and not self.repository.handles(path)
-                and not self.tokens.allows_api(scope["headers"])
+                and not self.tokens.allows_api(request.headers)
             ):
                 raise HttpError(
                     401,
@@ -158,84 +131,69 @@ class HttpApp:
                     [(b"www-authenticate", b"Bearer")],
                 )
             if method == "POST" and path.endswith("/infer"):
-                body = await self._read_body(scope, receive)
-                status, payload, content_type, extra_headers = await self._infer(
-                    scope, receive, path, body
-                )
-                total = microseconds(time.monotonic() - started).encode()
-                extra_headers.append((TOTAL_TIME_US_HEADER, total))
-            elif method == "GET" and path == "/metrics" and self.metrics is not None:
-                status, payload, content_type = 200, *await self._metrics(scope)
-            elif method == "POST" and self.repository.handles(path):
-                body = await self._read_body(scope, receive)
-                status, payload, extra_headers = await self._repository(scope, path, body)
-                content_type = JSON
-            else:
-                if method == "POST":
-                    await self._read_body(scope, receive)
-                status, payload = self._route(method, path)
-                content_type = JSON
-        except GpuserveError as err:
-            status, content_type = http_status(err), JSON
-            payload = orjson.dumps({"error": self.redactor.text(err.message)})
-            if isinstance(err, OverloadedError):
-                extra_headers = [(b"retry-after", str(max(1, round(err.retry_after_s))).encode())]
-        except HttpError as err:
-            status, content_type = err.status, JSON
-            payload = orjson.dumps({"error": self.redactor.text(err.message)})
-            extra_headers = err.headers
-            if method == "POST" and path.endswith("/infer"):  # body too large, bad path, token
-                self._count_unrouted(path, None, "unauthorized" if status == 401 else "invalid")
-        except Exception:  # a bug: log it, never leak it
-            logger.exception("unhandled error serving %s %s", method, path)
-            status, content_type = 500, JSON
-            payload = orjson.dumps({"error": "internal server error"})
-        headers = [
-            (b"content-type", content_type),
-            (b"content-length", str(len(payload)).encode()),
-            *extra_headers,
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+                self._infer(request)
+                return
+            if method == "GET" and path == "/metrics" and self.metrics is not None:
+                self._spawn(self._metrics(request))
+                return
+            if method == "POST" and self.repository.handles(path):
+                self._spawn(self._repository(request))
+                return
+            status, payload = self._route(method, path)
+        except Exception as err:
+            self._fail(request, err)
+            return
+        self._send(request, status, payload)
+
+    def _send(
+        self,
+        request: HttpRequest,
+        status: int,
+        payload: bytes,
+        content_type: bytes = JSON,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        request.respond(status, payload, content_type, headers or ())
         if self.access_log:
-            _log_access(scope, status, len(payload), time.monotonic() - started)
+            _log_access(request, status, len(payload), time.monotonic() - request.started_s)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
-                raise HttpError(
-                    413,
-                    f"request body of {int(value)} bytes exceeds the limit "
-                    f"of {self.max_body} bytes (max_request_body_bytes)",
+    def _fail(self, request: HttpRequest, err: BaseException) -> None:
+        """Answer ``request`` with the status and JSON error for ``err``."""
+        headers: list[tuple[bytes, bytes]] = []
+        if isinstance(err, GpuserveError):
+            status = http_status(err)
+            message = err.message
+            if isinstance(err, OverloadedError):
+                headers = [(b"retry-after", str(max(1, round(err.retry_after_s))).encode())]
+        elif isinstance(err, HttpError):
+            status, message, headers = err.status, err.message, err.headers
+            if request.method == "POST" and request.path.endswith("/infer"):  # path, token
+                self._count_unrouted(
+                    request.path, None, "unauthorized" if status == 401 else "invalid"
                 )
-        message = await receive()
-        body = message.get("body", b"")
-        if not message.get("more_body", False):
-            return body
-        chunks = [body]
-        size = len(body)
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise HttpError(400, "client disconnected while sending the body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise HttpError(
-                    413,
-                    f"request body exceeds the limit of {self.max_body} bytes "
-                    "(max_request_body_bytes)",
-                )
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        else:  # a bug: log it, never leak it
+            logger.error(
+                "unhandled error serving %s %s",
+                request.method,
+                request.path,
+                exc_info=(type(err), err, err.__traceback__),
+            )
+            status, message = 500, "internal server error"
+        self._send(
+            request, status, orjson.dumps({"error": self.redactor.text(message)}), JSON, headers
+        )
 
-    async def _infer(
-        self, scope: Scope, receive: Receive, path: str, body: bytes
-    ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
-        name, version, rest = _split_model_path(path)
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
+    def _infer(self, request: HttpRequest) -> None:
+        """Decode and queue an inference request; :meth:`_infer_done` answers it. No task
+        is created per request: the scheduler's future calls back."""
+        name, version, rest = _split_model_path(request.path)
         if rest != "infer":
-            raise HttpError(404, f"unknown path {path}")
+            raise HttpError(404, f"unknown path {request.path}")
         try:
             check_version_label(name, version)
             mv = self.manager.version(name, version)
@@ -244,14 +202,15 @@ class HttpApp:
             raise
         scheduler = mv.scheduler
         assert scheduler is not None
-        header_value = None
-        for key, value in scope["headers"]:
-            if key == b"inference-header-content-length":
-                header_value = value.decode("latin-1")
-                break
+        header_value = request.header(b"inference-header-content-length")
         try:
             decoded = decode_infer_request(
-                body, parse_header_length(header_value), mv.config, name, version, self.limits
+                request.body,
+                parse_header_length(None if header_value is None else header_value.decode()),
+                mv.config,
+                name,
+                version,
+                self.limits,
             )
             if self.manager.shutting_down:
                 raise UnavailableError("server is shutting down; retry on another replica")
@@ -264,13 +223,29 @@ class HttpApp:
             routed = self.manager.split(mv, decoded.request.id)
             if routed is not mv and routed.scheduler is not None:
                 mv, scheduler = routed, routed.scheduler
-        scope["gpuserve.access"] = (name, scheduler.version, decoded.request)
+        request.access = (name, scheduler.version, decoded.request)
         # A request whose client disconnects while it waits is dropped when its batch forms,
         # so it never runs (BC-11). The check reads the connection's state lazily: watching
-        # each connection with its own task would halve the request rate.
-        decoded.request.is_cancelled = _disconnect_probe(receive)
-        response = await scheduler.infer(decoded.request)
-        encoded = encode_infer_response(response, decoded.output_options, mv.config)
+        # each connection would cost more than the check.
+        decoded.request.is_cancelled = request.is_disconnected
+        future = scheduler.submit(decoded.request)
+        future.add_done_callback(
+            lambda done: self._infer_done(request, done, decoded.output_options, mv.config)
+        )
+
+    def _infer_done(
+        self,
+        request: HttpRequest,
+        future: asyncio.Future[InferenceResponse],
+        output_options: Any,
+        config: ModelConfig,
+    ) -> None:
+        try:
+            response = future.result()
+            encoded = encode_infer_response(response, output_options, config)
+        except BaseException as err:
+            self._fail(request, err)
+            return
         timing = response.timing
         headers = [
             (QUEUE_TIME_US_HEADER, microseconds(timing.queue_s).encode()),
@@ -280,20 +255,26 @@ class HttpApp:
             headers.append(
                 (b"inference-header-content-length", str(encoded.header_length).encode())
             )
-        return 200, encoded.body, encoded.content_type.encode(), headers
+        headers.append(
+            (TOTAL_TIME_US_HEADER, microseconds(time.monotonic() - request.started_s).encode())
+        )
+        self._send(request, 200, encoded.body, encoded.content_type.encode(), headers)
 
-    async def _metrics(self, scope: Scope) -> tuple[bytes, bytes]:
+    async def _metrics(self, request: HttpRequest) -> None:
         """``GET /metrics``: rendered off the event loop (NVML reads can take milliseconds)."""
         from gpuserve.metrics import render
 
         assert self.metrics is not None
-        accept = ""
-        for key, value in scope["headers"]:
-            if key == b"accept":
-                accept = value.decode("latin-1")
+        accept = request.header(b"accept")
         loop = asyncio.get_running_loop()
-        body, content_type = await loop.run_in_executor(None, render, self.metrics.registry, accept)
-        return body, content_type.encode()
+        try:
+            body, content_type = await loop.run_in_executor(
+                None, render, self.metrics.registry, "" if accept is None else accept.decode()
+            )
+        except Exception as err:
+            self._fail(request, err)
+            return
+        self._send(request, 200, body, content_type.encode())
 
     def _count_unrouted(self, name_or_path: str, version: str | None, reason: str) -> None:
         """Count a failed inference request that never reached a model version."""
@@ -338,17 +319,21 @@ class HttpApp:
             )
         raise HttpError(404, f"no endpoint {method} {path}")
 
-    async def _repository(
-        self, scope: Scope, path: str, body: bytes
-    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _repository(self, request: HttpRequest) -> None:
+        path = request.path
         try:
-            status, payload = await self.repository.handle(path, scope["headers"], body)
+            status, payload = await self.repository.handle(path, request.headers, request.body)
         except ManagementDenied as err:
             headers = [(b"www-authenticate", b"Bearer")] if err.status == 401 else []
-            return err.status, orjson.dumps({"error": err.message}), headers
+            self._send(request, err.status, orjson.dumps({"error": err.message}), JSON, headers)
+            return
         except LookupError:
-            raise HttpError(404, f"no endpoint POST {path}") from None
-        return status, self.redactor.json(payload), []
+            self._fail(request, HttpError(404, f"no endpoint POST {path}"))
+            return
+        except Exception as err:
+            self._fail(request, err)
+            return
+        self._send(request, status, self.redactor.json(payload))
 
     # -- endpoint bodies -------------------------------------------------------------------
 
@@ -417,44 +402,31 @@ class HttpApp:
         return [mv.scheduler.stats.as_dict() for mv in versions if mv.scheduler is not None]
 
 
-def _disconnect_probe(receive: Receive) -> Callable[[], bool] | None:
-    """A cheap "has the client gone?" check for the request that ``receive`` belongs to.
-
-    uvicorn's ``receive`` is a method of its per-request cycle object, which records
-    ``disconnected`` when the connection is lost. Servers without that attribute get no probe
-    (requests then run even if their client left).
-    """
-    cycle = getattr(receive, "__self__", None)
-    if cycle is None or not hasattr(cycle, "disconnected"):
-        return None
-    return lambda: bool(cycle.disconnected)
-
-
-def _log_access(scope: Scope, status: int, size: int, total_s: float) -> None:
+def _log_access(request: HttpRequest, status: int, size: int, total_s: float) -> None:
     """One ``gpuserve.access`` line: client, request line, status, model, version, rows, input
     shapes (never contents), response bytes and total milliseconds; the same fields go to JSON
     logs as keys."""
     if not access_logger.isEnabledFor(logging.INFO):
         return
-    client = scope.get("client")
+    client = request.client
     peer = f"{client[0]}:{client[1]}" if client else "-"
-    info = scope.get("gpuserve.access")
+    info = request.access
     model = version = "-"
     rows = 0
     shapes: dict[str, list[int]] = {}
     if info is not None:
-        model, version, request = info
-        shapes = {name: list(array.shape) for name, array in request.inputs.items()}
+        model, version, inference = info
+        shapes = {name: list(array.shape) for name, array in inference.inputs.items()}
         first = next(iter(shapes.values()), None)
         rows = first[0] if first else 1
-    elif scope["path"].startswith("/v2/models/"):
-        model = scope["path"].split("/")[3] or "-"
+    elif request.path.startswith("/v2/models/"):
+        model = request.path.split("/")[3] or "-"
     total_ms = round(total_s * 1000, 3)
     access_logger.info(
         '%s "%s %s" %d model=%s version=%s rows=%d shapes=%s bytes=%d %.3f ms',
         peer,
-        scope["method"],
-        scope["path"],
+        request.method,
+        request.path,
         status,
         model,
         version,
@@ -464,8 +436,8 @@ def _log_access(scope: Scope, status: int, size: int, total_s: float) -> None:
         total_ms,
         extra={
             "client": peer,
-            "method": scope["method"],
-            "path": scope["path"],
+            "method": request.method,
+            "path": request.path,
             "status": status,
             "model": model,
             "version": version,

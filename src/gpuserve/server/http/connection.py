@@ -1,0 +1,581 @@
+"""HTTP/1.1 transport of the REST front end: one asyncio protocol per connection, on httptools.
+
+A connection parses requests with httptools (llhttp) and hands each complete one, body
+included, to a :class:`Handler` as an :class:`HttpRequest`. The handler answers by calling
+:meth:`HttpRequest.respond` once, at once or later (an inference request answers from its
+future's callback, so no task is created per request). Responses go out in request order:
+requests a client pipelines wait in a queue while an earlier one is answered, and reading
+pauses while that queue is full or the transport's write buffer is above its high-water mark.
+
+What it enforces, each with a JSON ``{"error": ...}`` answer:
+
+* the request line plus headers are at most ``max_header_bytes`` (431 Request Header Fields
+  Too Large, then close). httptools holds an incomplete header back, so the bytes of a head
+  still incomplete after a read are counted too, with slack for the tail of the previous
+  request in the same read: one endless header is cut off as well.
+* the body is at most ``max_request_body_bytes`` (413; checked against ``Content-Length``
+  before the body arrives and against the bytes received for chunked bodies; the rest of the
+  body is read and dropped, so the connection stays usable).
+* malformed HTTP gets 400 and the connection closes (the parser cannot resynchronise).
+
+``Expect: 100-continue`` is answered with ``100 Continue`` unless the body is already known to
+be too large. Connections idle for ``keep_alive_timeout_s`` are closed. Protocol rules follow
+RFC 9112 (HTTP/1.1 message syntax, persistence and pipelining).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+import httptools
+import orjson
+
+logger = logging.getLogger(__name__)
+
+Headers = list[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_MAX_PIPELINED = 16  # parsed requests waiting per connection before reading pauses
+_WRITELINES_FROM = 64 * 1024
+_LINGER_S = 1.0  # bodies this large are not copied into one buffer with the head
+
+
+class Handler(Protocol):
+    """What answers requests: called on the event loop for each complete request."""
+
+    def handle(self, request: HttpRequest) -> None: ...
+
+
+class HttpRequest:
+    """One complete HTTP request.
+
+    Attributes:
+        method: ``"GET"``, ``"POST"``, ... (str).
+        path: The percent-decoded path, e.g. ``/v2/models/m/infer`` (str).
+        query: The raw query string without ``?`` (bytes, may be empty).
+        headers: ``(name, value)`` pairs in arrival order; names lower case (bytes).
+        body: The whole body (bytes; chunked transfer coding already removed).
+        started_s: ``time.monotonic()`` when the request was complete (seconds).
+        keep_alive: Whether the connection may carry another request after this one.
+        access: Set by the handler for the access log (model, version, request), or None.
+    """
+
+    __slots__ = (
+        "access",
+        "answered",
+        "body",
+        "connection",
+        "error",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "started_s",
+    )
+
+    def __init__(
+        self,
+        connection: HttpConnection,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: Headers,
+        body: bytes,
+        keep_alive: bool,
+        error: tuple[int, str] | None = None,
+    ) -> None:
+        self.connection = connection
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.error = error  # set by the connection: answer this status and message
+        self.started_s = time.monotonic()
+        self.access: Any = None
+        self.answered = False
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lower case), or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The peer's (host, port), or None when unknown (e.g. a Unix socket)."""
+        return self.connection.client
+
+    def is_disconnected(self) -> bool:
+        """Whether the client has closed the connection (it will get no answer)."""
+        return self.connection.closed
+
+    def respond(
+        self,
+        status: int,
+        body: bytes,
+        content_type: bytes = JSON,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """Send the response (once; later calls are ignored). ``body`` is sent as is, with
+        ``content-length``; a large body is written without being copied into the head."""
+        if self.answered:
+            return
+        self.answered = True
+        self.connection.write_response(self, status, body, content_type, headers)
+
+
+class _DateHeader:
+    """The ``date`` header line (RFC 9110 §6.6.1), formatted at most once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._line = b""
+
+    def line(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._line = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._line
+
+
+_DATE = _DateHeader()
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+class _HeadTooLarge(httptools.HttpParserError):
+    """Raised from a parser callback to stop parsing an oversized request head."""
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection (see the module docstring).
+
+    Args:
+        handler: Answers each complete request.
+        max_header_bytes: Limit of the request line plus headers (431 beyond).
+        max_body_bytes: Limit of a request body (413 beyond).
+        keep_alive_timeout_s: An idle connection is closed after this many seconds.
+        on_close: Called once with this connection when it is closed.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        keep_alive_timeout_s: float,
+        on_close: Callable[[HttpConnection], None],
+    ) -> None:
+        self.handler = handler
+        self.max_header_bytes = max_header_bytes
+        self.max_body_bytes = max_body_bytes
+        self.keep_alive_timeout_s = keep_alive_timeout_s
+        self.on_close = on_close
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.client: tuple[str, int] | None = None
+        self.closed = False
+        self.closing = False  # the server is stopping: close after the current answer
+        self._current: HttpRequest | None = None
+        self._waiting: deque[HttpRequest] = deque()
+        self._reading_paused = False
+        self._writing_paused = False
+        self._last_active = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._broken = False  # the parser failed: no more requests from this connection
+        # the message being parsed
+        self._url = b""
+        self._headers: Headers = []
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._too_large: tuple[int, str] | None = None
+        self._in_head = True
+        self._head_bytes = 0
+        self._pending_bytes = 0
+        self._head_overflow = False
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.client = (str(peer[0]), int(peer[1]))
+        self._last_active = self.loop.time()
+        if self.keep_alive_timeout_s > 0:
+            self._idle_timer = self.loop.call_later(self.keep_alive_timeout_s, self._check_idle)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._waiting.clear()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self.on_close(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._broken:
+            return
+        self._last_active = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # A request asked to switch protocols; it is answered over HTTP/1.1 and the
+            # connection closes after it (no protocol switch is offered).
+            self._broken = True
+            self._close_after_answers()
+            return
+        except httptools.HttpParserError as err:
+            self._parser_failed(err)
+            return
+        if self._in_head and not self._broken:
+            self._pending_bytes += len(data)
+            if self._pending_bytes > 2 * self.max_header_bytes + 65536:
+                self._head_too_large()
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if len(self._waiting) < _MAX_PIPELINED:
+            self._resume_reading()
+
+    # -- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._body = []
+        self._body_size = 0
+        self._too_large = None
+        self._in_head = True
+        self._head_bytes = 0
+        self._pending_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # ": " and CRLF
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        expect = False
+        for name, value in self._headers:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > self.max_body_bytes:
+                    self._too_large = (
+                        413,
+                        f"request body of {int(value)} bytes exceeds the limit of "
+                        f"{self.max_body_bytes} bytes (max_request_body_bytes)",
+                    )
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if expect and self._too_large is None and self.transport is not None:
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self._too_large is not None:
+            return
+        self._body_size += len(body)
+        if self._body_size > self.max_body_bytes:
+            self._too_large = (
+                413,
+                f"request body exceeds the limit of {self.max_body_bytes} bytes "
+                "(max_request_body_bytes)",
+            )
+            self._body = []
+            return
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parsed = httptools.parse_url(self._url)
+        raw_path = parsed.path
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = unquote(path)
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
+        request = HttpRequest(
+            self,
+            self.parser.get_method().decode("ascii"),
+            path,
+            parsed.query or b"",
+            self._headers,
+            body,
+            self.parser.should_keep_alive(),
+            self._too_large,
+        )
+        self._enqueue(request)
+
+    # -- answering -------------------------------------------------------------------------
+
+    def _enqueue(self, request: HttpRequest) -> None:
+        if self._current is None and not self._waiting:
+            self._start(request)
+            return
+        self._waiting.append(request)
+        if len(self._waiting) >= _MAX_PIPELINED:
+            self._pause_reading()
+
+    def _start(self, request: HttpRequest) -> None:
+        self._current = request
+        if request.error is not None:
+            status, message = request.error
+            request.respond(status, error_body(message))
+            return
+        try:
+            self.handler.handle(request)
+        except Exception:  # a bug in the handler: log it, never leak it
+            logger.exception("unhandled error serving %s %s", request.method, request.path)
+            request.respond(500, error_body("internal server error"))
+
+    def write_response(
+        self,
+        request: HttpRequest,
+        status: int,
+        body: bytes,
+        content_type: bytes,
+        headers: Iterable[tuple[bytes, bytes]],
+    ) -> None:
+        """Write ``request``'s response (see :meth:`HttpRequest.respond`), then start the next
+        waiting request or close the connection."""
+        if request is not self._current:
+            return
+        self._current = None
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return
+        keep_alive = request.keep_alive and not self.closing and not self._broken
+        parts = [
+            _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode(),
+            b"content-type: ",
+            content_type,
+            b"\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+            _DATE.line(),
+        ]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        if not keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        if request.method == "HEAD":
+            transport.write(b"".join(parts))
+        elif len(body) >= _WRITELINES_FROM:
+            transport.writelines((b"".join(parts), body))
+        else:
+            parts.append(body)
+            transport.write(b"".join(parts))
+        self._last_active = self.loop.time()
+        if not keep_alive:
+            self._waiting.clear()
+            if self._broken and transport.can_write_eof():
+                # Lingering close: the client may still be sending what will never be read;
+                # closing with unread bytes would reset the connection and could destroy
+                # the answer before the client reads it. Half-close, drop what arrives, and
+                # close when the client does or after a second.
+                transport.write_eof()
+                self._reading_paused = False
+                transport.resume_reading()
+                self.loop.call_later(_LINGER_S, transport.close)
+            else:
+                transport.close()
+            return
+        if self._waiting:
+            # Not inline: a long run of pipelined requests answered at once must not recurse.
+            self.loop.call_soon(self._next)
+
+    def _next(self) -> None:
+        if self._current is not None or not self._waiting or self.closed:
+            return
+        request = self._waiting.popleft()
+        if len(self._waiting) < _MAX_PIPELINED and not self._writing_paused:
+            self._resume_reading()
+        self._start(request)
+
+    # -- closing ---------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """No request is being answered or waiting."""
+        return self._current is None and not self._waiting
+
+    def shutdown(self) -> None:
+        """Close now if idle, else after the request being answered (``connection: close``)."""
+        self.closing = True
+        self._waiting.clear()
+        if self._current is None and self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _close_after_answers(self) -> None:
+        self._pause_reading()
+        if self.idle and self.transport is not None:
+            self.transport.close()
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self.closed:
+            return
+        idle_for = self.loop.time() - self._last_active
+        if self.idle and idle_for >= self.keep_alive_timeout_s:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        wait = self.keep_alive_timeout_s - idle_for if self.idle else self.keep_alive_timeout_s
+        self._idle_timer = self.loop.call_later(max(wait, 0.01), self._check_idle)
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self._broken:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    # -- errors in the request head --------------------------------------------------------
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > self.max_header_bytes:
+            self._head_overflow = True
+            raise _HeadTooLarge("request head too large")
+
+    def _parser_failed(self, err: Exception) -> None:
+        if self._head_overflow:
+            self._head_too_large()
+            return
+        self._refuse(400, f"malformed HTTP request: {err}")
+
+    def _head_too_large(self) -> None:
+        limit = self.max_header_bytes
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+        logger.warning(
+            "refused a request from %s: request line and headers exceed %d bytes", client, limit
+        )
+        self._refuse(
+            431, f"request line and headers exceed the limit of {limit} bytes (max_header_bytes)"
+        )
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` after the requests before it, then close: the stream cannot be
+        parsed further."""
+        self._broken = True
+        self._in_head = False
+        self._pause_reading()
+        self._enqueue(HttpRequest(self, "", "", b"", [], b"", False, (status, message)))
+
+
+class HttpListener:
+    """The listening socket and its connections.
+
+    Args:
+        handler: Answers each request.
+        max_header_bytes / max_body_bytes / keep_alive_timeout_s: See :class:`HttpConnection`.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        max_header_bytes: int,
+        max_body_bytes: int,
+        keep_alive_timeout_s: float,
+    ) -> None:
+        self.handler = handler
+        self.max_header_bytes = max_header_bytes
+        self.max_body_bytes = max_body_bytes
+        self.keep_alive_timeout_s = keep_alive_timeout_s
+        self.connections: set[HttpConnection] = set()
+        self.server: asyncio.base_events.Server | None = None
+        self._all_closed: asyncio.Event | None = None
+
+    def _connection(self) -> HttpConnection:
+        connection = HttpConnection(
+            self.handler,
+            self.max_header_bytes,
+            self.max_body_bytes,
+            self.keep_alive_timeout_s,
+            self._closed,
+        )
+        self.connections.add(connection)
+        return connection
+
+    def _closed(self, connection: HttpConnection) -> None:
+        self.connections.discard(connection)
+        if not self.connections and self._all_closed is not None:
+            self._all_closed.set()
+
+    async def start(self, host: str, port: int, ssl: Any = None, backlog: int = 4096) -> None:
+        """Listen on ``host:port`` (``port`` 0 picks a free one).
+
+        Raises:
+            OSError: the address cannot be bound (in use, no permission).
+        """
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(
+            self._connection, host, port, ssl=ssl, backlog=backlog, reuse_address=True
+        )
+
+    @property
+    def port(self) -> int | None:
+        """The bound port, or None before :meth:`start`."""
+        if self.server is None:
+            return None
+        for sock in self.server.sockets:
+            return int(sock.getsockname()[1])
+        return None
+
+    def stop_accepting(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def close(self, timeout_s: float) -> None:
+        """Close idle connections now and the others once their current answer is sent;
+        after ``timeout_s`` seconds abort those left."""
+        self.stop_accepting()
+        self._all_closed = asyncio.Event()
+        for connection in list(self.connections):
+            connection.shutdown()
+        if self.connections:
+            try:
+                await asyncio.wait_for(self._all_closed.wait(), timeout_s)
+            except TimeoutError:
+                logger.warning(
+                    "closing %d HTTP connections whose requests did not finish in %.1f s",
+                    len(self.connections),
+                    timeout_s,
+                )
+                for connection in list(self.connections):
+                    connection.abort()
+        if self.server is not None:
+            self.server.close()
