@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from gpuserve.config import ServerConfig
 from gpuserve.metrics import MetricsHttpServer, ServerMetrics
+from gpuserve.repository.devices import freeze_loaded_objects
 from gpuserve.repository.manager import ModelManager
 from gpuserve.server import logs
 from gpuserve.server.grpc.server import GrpcServer
@@ -160,6 +161,7 @@ class GpuServer:
             logger.exception("model repository could not be loaded")
             self.manager.initial_load_done = True
         finally:
+            freeze_loaded_objects()
             self.loaded.set()
 
     async def _close_listener(self) -> None:
