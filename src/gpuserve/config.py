@@ -92,7 +92,9 @@ class DynamicBatchingConfig(_Strict):
         default_priority_level: Level of a request that names none.
         early_dispatch: Send a batch before ``max_queue_delay_us`` runs out once as many rows
             are queued as the previous batch carried (under a steady load that is all that is
-            coming: waiting longer only idles the instance).
+            coming: waiting longer only idles the instance); and when an instance frees up,
+            let a batch regather to that size for up to the smaller of the delay and a tenth
+            of the finished batch's time (see :mod:`gpuserve.engine.batcher`).
         adaptive: Adaptive batching settings; None (default) keeps the fixed delay.
     """
 

@@ -166,3 +166,38 @@ def test_early_dispatch_sends_once_the_previous_batch_size_is_queued():
     b.add(item(at=0.003, tag="c"))
     assert b.next_batch(0.003) is None  # fewer than last time: wait (bounded by the delay)
     assert b.next_batch(0.005).rows == 1
+
+
+def test_a_straggler_regathers_when_an_instance_frees_instead_of_running_alone():
+    """Closed loop of 8 clients: one request arrived while a batch of 7 ran. When the batch
+    finishes the straggler is overdue, but it waits (up to the regather window) for the 7
+    clients that just got their answers, so the loop settles at batches of 8, not 7 + 1."""
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.002, early_dispatch=True)
+    for i in range(7):
+        b.add(item(tag=f"a{i}"))
+    assert b.next_batch(0.002).rows == 7
+    b.add(item(at=0.010, tag="straggler"))  # the batch of 7 runs 0.002 .. 0.052
+    b.instance_freed(0.052, service_s=0.050)
+    assert b.next_batch(0.052) is None  # overdue, but the window is open
+    assert b.next_wakeup(can_dispatch=True) == pytest.approx(0.054)
+    for i in range(7):
+        b.add(item(at=0.0526, tag=f"b{i}"))
+    batch = b.next_batch(0.0526)
+    assert batch is not None and batch.rows == 8 and tags(batch)[0] == "straggler"
+
+
+def test_regather_window_is_bounded_by_a_tenth_of_the_batch_time_and_the_delay():
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.010, early_dispatch=True)
+    b.add(item(tag="x"))
+    b.add(item(tag="y"))
+    assert b.next_batch(0.010).rows == 2
+    b.add(item(at=0.011, tag="late"))
+    b.instance_freed(0.020, service_s=0.010)  # window: min(10 ms, 1 ms)
+    assert b.next_batch(0.0205) is None
+    batch = b.next_batch(0.021)
+    assert batch is not None and tags(batch) == ["late"]  # nobody came: it goes alone
+    # without early dispatch there is no window
+    plain = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.010)
+    plain.add(item(tag="p"))
+    plain.instance_freed(0.0, service_s=1.0)
+    assert tags(plain.next_batch(0.010)) == ["p"]

@@ -17,6 +17,13 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
 * A batch is sent at once when it is full, when it reaches a preferred batch size, when
   ``max_queue_delay_s`` is 0, or (``early_dispatch``) when as many rows are queued as the
   previous batch carried; otherwise once the leading request has waited ``max_queue_delay_s``.
+* With ``early_dispatch``, a request that waited out its delay only because every instance
+  was busy does not leave alone the moment an instance frees: the scheduler calls
+  :meth:`DynamicBatcher.instance_freed`, and for a short regather window (the smaller of
+  ``max_queue_delay_s`` and a tenth of the batch that just finished) the batch still waits to
+  reach the previous batch's size. Without it a closed loop of 8 clients settles into
+  batches of 7 and 1 (the straggler that arrived during a batch runs alone next), 20% below
+  batches of 8; the window costs at most a tenth of a batch's time when nobody comes.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -103,6 +110,7 @@ class DynamicBatcher:
         self.row_cap: int | None = None
         self.early_dispatch = early_dispatch
         self._last_rows = 0
+        self._regather_until = float("-inf")  # see instance_freed
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
         self._levels: list[deque[Pending]] = [deque() for _ in range(priority_levels)]
@@ -227,7 +235,9 @@ class DynamicBatcher:
         if self.row_cap is not None:
             limit = max(1, min(limit, self.row_cap))
         available = self._compatible_rows(head.shape_key, limit)
-        waited_out = now - head.arrival_s >= self.max_queue_delay_s
+        waited_out = now - head.arrival_s >= self.max_queue_delay_s and (
+            now >= self._regather_until
+        )
         full = available >= limit
         preferred_hit = bool(self.preferred) and available >= self.preferred[0]
         # As many rows as the last batch carried: under a steady closed loop that is all that
@@ -243,6 +253,12 @@ class DynamicBatcher:
             return None
         self._last_rows = batch.rows
         return batch
+
+    def instance_freed(self, now: float, service_s: float) -> None:
+        """An instance finished a batch that took ``service_s`` seconds at ``now``: open the
+        regather window (see the module docstring). No effect without ``early_dispatch``."""
+        if self.early_dispatch and self.max_queue_delay_s > 0:
+            self._regather_until = now + min(self.max_queue_delay_s, 0.1 * service_s)
 
     def _take(self, key: Hashable, target: int, now: float) -> Batch:
         items: list[Pending] = []
@@ -280,7 +296,7 @@ class DynamicBatcher:
         if can_dispatch:
             head = self._head()
             if head is not None:
-                times.append(head.arrival_s + self.max_queue_delay_s)
+                times.append(max(head.arrival_s + self.max_queue_delay_s, self._regather_until))
         return min(times) if times else None
 
     def drain(self) -> list[Pending]:

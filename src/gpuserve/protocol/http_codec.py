@@ -198,7 +198,7 @@ def _decode_outputs(
 
 
 def decode_infer_request(
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     config: ModelConfig,
     model_name: str,
@@ -233,7 +233,7 @@ def decode_infer_request(
                 f"{HEADER_LENGTH_HEADER} {header_length} exceeds the request body size {size}"
             )
         header = body if header_length == size else body[:header_length]
-        binary = memoryview(body)[header_length:]
+        binary = memoryview(body).toreadonly()[header_length:]
     document = parse_json_header(header, header_length, size)
 
     inputs = document.get("inputs")

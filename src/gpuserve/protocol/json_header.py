@@ -75,7 +75,7 @@ def _count_keys_in_list(items: list[Any]) -> int:
     return count
 
 
-def _has_no_duplicates(header: bytes, document: dict[str, Any]) -> bool:
+def _has_no_duplicates(header: bytes | bytearray, document: dict[str, Any]) -> bool:
     """A cheap proof that no object of ``document`` lost a repeated key (False: not proven)."""
     colons = header.count(b":")
     if _count_keys(document) == colons:
@@ -99,7 +99,7 @@ def _byte_offset(err: orjson.JSONDecodeError) -> int:
     return len(doc[: err.pos].encode()) if isinstance(doc, str) else err.pos
 
 
-def _trailing_data_end(header: bytes, bad_utf8_at: int) -> int | None:
+def _trailing_data_end(header: bytes | bytearray, bad_utf8_at: int) -> int | None:
     """Where a JSON document ends when invalid UTF-8 comes after it (binary data), else None.
 
     orjson checks the UTF-8 of the whole input before parsing, so a JSON document followed by
@@ -129,7 +129,7 @@ def _trailing_error(where: str, end: int, header_length: int | None) -> InvalidI
 
 
 def _parse_error(
-    header: bytes, err: orjson.JSONDecodeError, header_length: int | None, body_size: int
+    header: bytes | bytearray, err: orjson.JSONDecodeError, header_length: int | None, body_size: int
 ) -> InvalidInputError:
     if header_length is None:
         where = "request body"
@@ -155,7 +155,7 @@ def _parse_error(
 
 
 def parse_json_header(
-    header: bytes, header_length: int | None = None, body_size: int | None = None
+    header: bytes | bytearray, header_length: int | None = None, body_size: int | None = None
 ) -> dict[str, Any]:
     """Parse the request's JSON document and require an object without repeated keys.
 

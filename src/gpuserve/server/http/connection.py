@@ -46,8 +46,10 @@ JSON = b"application/json"
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 16  # parsed requests waiting per connection before reading pauses
-_WRITELINES_FROM = 64 * 1024
-_LINGER_S = 1.0  # bodies this large are not copied into one buffer with the head
+_WRITELINES_FROM = 64 * 1024  # bodies this large are not copied into one buffer with the head
+_LINGER_S = 1.0  # how long a refused connection's unread input is drained before closing
+_READ_BUFFER = 256 * 1024  # the socket is read straight into this (BufferedProtocol)
+_PREALLOCATE_FROM = 64 * 1024  # bodies this large are assembled in one buffer as they arrive
 
 
 class Handler(Protocol):
@@ -64,7 +66,8 @@ class HttpRequest:
         path: The percent-decoded path, e.g. ``/v2/models/m/infer`` (str).
         query: The raw query string without ``?`` (bytes, may be empty).
         headers: ``(name, value)`` pairs in arrival order; names lower case (bytes).
-        body: The whole body (bytes; chunked transfer coding already removed).
+        body: The whole body (bytes, or a bytearray for a body of 64 KiB or more sent with
+            Content-Length; chunked transfer coding already removed).
         started_s: ``time.monotonic()`` when the request was complete (seconds).
         keep_alive: Whether the connection may carry another request after this one.
         access: Set by the handler for the access log (model, version, request), or None.
@@ -91,7 +94,7 @@ class HttpRequest:
         path: str,
         query: bytes,
         headers: Headers,
-        body: bytes,
+        body: bytes | bytearray,
         keep_alive: bool,
         error: tuple[int, str] | None = None,
     ) -> None:
@@ -164,7 +167,7 @@ class _HeadTooLarge(httptools.HttpParserError):
     """Raised from a parser callback to stop parsing an oversized request head."""
 
 
-class HttpConnection(asyncio.Protocol):
+class HttpConnection(asyncio.BufferedProtocol):
     """One client connection (see the module docstring).
 
     Args:
@@ -173,6 +176,8 @@ class HttpConnection(asyncio.Protocol):
         max_body_bytes: Limit of a request body (413 beyond).
         keep_alive_timeout_s: An idle connection is closed after this many seconds.
         on_close: Called once with this connection when it is closed.
+        on_open: Called with this connection when it is established (after the TLS
+            handshake, with TLS: a failed handshake never opens a connection).
     """
 
     def __init__(
@@ -182,8 +187,10 @@ class HttpConnection(asyncio.Protocol):
         max_body_bytes: int,
         keep_alive_timeout_s: float,
         on_close: Callable[[HttpConnection], None],
+        on_open: Callable[[HttpConnection], None] | None = None,
     ) -> None:
         self.handler = handler
+        self.on_open = on_open
         self.max_header_bytes = max_header_bytes
         self.max_body_bytes = max_body_bytes
         self.keep_alive_timeout_s = keep_alive_timeout_s
@@ -206,7 +213,9 @@ class HttpConnection(asyncio.Protocol):
         self._headers: Headers = []
         self._body: list[bytes] = []
         self._body_size = 0
+        self._body_buffer: bytearray | None = None  # a large body with a known length
         self._too_large: tuple[int, str] | None = None
+        self._read_view = memoryview(bytearray(_READ_BUFFER))
         self._in_head = True
         self._head_bytes = 0
         self._pending_bytes = 0
@@ -220,6 +229,8 @@ class HttpConnection(asyncio.Protocol):
         if isinstance(peer, tuple) and len(peer) >= 2:
             self.client = (str(peer[0]), int(peer[1]))
         self._last_active = self.loop.time()
+        if self.on_open is not None:
+            self.on_open(self)
         if self.keep_alive_timeout_s > 0:
             self._idle_timer = self.loop.call_later(self.keep_alive_timeout_s, self._check_idle)
 
@@ -232,7 +243,15 @@ class HttpConnection(asyncio.Protocol):
             self._idle_timer.cancel()
         self.on_close(self)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._read_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        # The parser copies what it hands on (URL, headers, body pieces), so the read buffer
+        # is free for the next read as soon as this returns.
+        self.data_received(self._read_view[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._broken:
             return
         self._last_active = self.loop.time()
@@ -268,6 +287,7 @@ class HttpConnection(asyncio.Protocol):
         self._headers = []
         self._body = []
         self._body_size = 0
+        self._body_buffer = None
         self._too_large = None
         self._in_head = True
         self._head_bytes = 0
@@ -285,13 +305,18 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = False
         expect = False
         for name, value in self._headers:
-            if name == b"content-length":
-                if value.isdigit() and int(value) > self.max_body_bytes:
+            if name == b"content-length" and value.isdigit():
+                length = int(value)
+                if length > self.max_body_bytes:
                     self._too_large = (
                         413,
-                        f"request body of {int(value)} bytes exceeds the limit of "
+                        f"request body of {length} bytes exceeds the limit of "
                         f"{self.max_body_bytes} bytes (max_request_body_bytes)",
                     )
+                elif length >= _PREALLOCATE_FROM:
+                    # One buffer of the announced size, filled as the pieces arrive: one copy
+                    # of each byte and no second body-sized buffer for a join.
+                    self._body_buffer = bytearray(length)
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
         if expect and self._too_large is None and self.transport is not None:
@@ -300,7 +325,15 @@ class HttpConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self._too_large is not None:
             return
+        start = self._body_size
         self._body_size += len(body)
+        buffer = self._body_buffer
+        if buffer is not None and self._body_size <= len(buffer):
+            buffer[start : self._body_size] = body
+            return
+        if buffer is not None:  # more than announced: the parser would have failed first
+            self._body = [bytes(buffer[:start])]
+            self._body_buffer = None
         if self._body_size > self.max_body_bytes:
             self._too_large = (
                 413,
@@ -317,7 +350,13 @@ class HttpConnection(asyncio.Protocol):
         path = raw_path.decode("latin-1")
         if "%" in path:
             path = unquote(path)
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        if self._body_buffer is not None:
+            body: bytes | bytearray = self._body_buffer
+            if self._body_size < len(body):  # cannot happen with a valid Content-Length
+                body = body[: self._body_size]
+            self._body_buffer = None
+        else:
+            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body = []
         request = HttpRequest(
             self,
@@ -520,15 +559,14 @@ class HttpListener:
         self._all_closed: asyncio.Event | None = None
 
     def _connection(self) -> HttpConnection:
-        connection = HttpConnection(
+        return HttpConnection(
             self.handler,
             self.max_header_bytes,
             self.max_body_bytes,
             self.keep_alive_timeout_s,
             self._closed,
+            self.connections.add,
         )
-        self.connections.add(connection)
-        return connection
 
     def _closed(self, connection: HttpConnection) -> None:
         self.connections.discard(connection)

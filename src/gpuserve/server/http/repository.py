@@ -78,7 +78,7 @@ class RepositoryApi:
         return path == "/v2/repository/index" or path.startswith(_PREFIX)
 
     async def handle(
-        self, path: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self, path: str, headers: list[tuple[bytes, bytes]], body: bytes | bytearray
     ) -> tuple[int, bytes]:
         """Serve one call; returns (status, JSON body).
 
@@ -162,7 +162,7 @@ class RepositoryApi:
             )
 
 
-def _json_body(body: bytes) -> dict[str, Any]:
+def _json_body(body: bytes | bytearray) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
