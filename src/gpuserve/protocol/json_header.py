@@ -129,7 +129,10 @@ def _trailing_error(where: str, end: int, header_length: int | None) -> InvalidI
 
 
 def _parse_error(
-    header: bytes | bytearray, err: orjson.JSONDecodeError, header_length: int | None, body_size: int
+    header: bytes | bytearray,
+    err: orjson.JSONDecodeError,
+    header_length: int | None,
+    body_size: int,
 ) -> InvalidInputError:
     if header_length is None:
         where = "request body"
