@@ -177,7 +177,7 @@ def test_a_straggler_regathers_when_an_instance_frees_instead_of_running_alone()
         b.add(item(tag=f"a{i}"))
     assert b.next_batch(0.002).rows == 7
     b.add(item(at=0.010, tag="straggler"))  # the batch of 7 runs 0.002 .. 0.052
-    b.instance_freed(0.052, service_s=0.050)
+    b.instance_freed(0.052, service_s=0.050, rows=7)
     assert b.next_batch(0.052) is None  # overdue, but the window is open
     assert b.next_wakeup(can_dispatch=True) == pytest.approx(0.054)
     for i in range(7):
@@ -192,12 +192,38 @@ def test_regather_window_is_bounded_by_a_tenth_of_the_batch_time_and_the_delay()
     b.add(item(tag="y"))
     assert b.next_batch(0.010).rows == 2
     b.add(item(at=0.011, tag="late"))
-    b.instance_freed(0.020, service_s=0.010)  # window: min(10 ms, 1 ms)
+    b.instance_freed(0.020, service_s=0.010, rows=2)  # window: min(10 ms, 1 ms)
     assert b.next_batch(0.0205) is None
     batch = b.next_batch(0.021)
     assert batch is not None and tags(batch) == ["late"]  # nobody came: it goes alone
     # without early dispatch there is no window
     plain = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.010)
     plain.add(item(tag="p"))
-    plain.instance_freed(0.0, service_s=1.0)
+    plain.instance_freed(0.0, service_s=1.0, rows=1)
     assert tags(plain.next_batch(0.010)) == ["p"]
+
+
+def test_two_halves_merge_on_one_instance_but_not_across_two():
+    """4 + 4 on one instance: when a half finishes, its 4 clients come back and join the 4
+    queued, so the next batch has 8. With two instances the other half is still running, so
+    only the rows of the finished batch are expected and 4 go at once."""
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.002, early_dispatch=True)
+    for i in range(4):
+        b.add(item(tag=f"a{i}"))
+    assert b.next_batch(0.002).rows == 4
+    for i in range(4):
+        b.add(item(at=0.003, tag=f"b{i}"))  # arrive while the first half runs
+    b.instance_freed(0.030, service_s=0.028, rows=4)  # window min(2 ms, 2.8 ms)
+    assert b.next_batch(0.030) is None  # 4 queued, 8 expected
+    for i in range(4):
+        b.add(item(at=0.031, tag=f"c{i}"))
+    assert b.next_batch(0.031).rows == 8
+    # two instances: b-rows run on the second instance; the first frees with nothing queued
+    two = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.002, early_dispatch=True)
+    for i in range(4):
+        two.add(item(tag=f"a{i}"))
+    assert two.next_batch(0.002).rows == 4
+    two.instance_freed(0.030, service_s=0.028, rows=4)  # queue empty: no window
+    for i in range(4):
+        two.add(item(at=0.031, tag=f"c{i}"))
+    assert two.next_batch(0.031).rows == 4  # as many as last time: at once

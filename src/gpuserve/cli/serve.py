@@ -36,6 +36,7 @@ SERVE_FIELDS += [  # security and limits
     "max_header_bytes",
     "max_tensor_elements",
     "max_bytes_element_bytes",
+    "http_keep_alive_timeout_s",
 ]
 
 
@@ -101,6 +102,12 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         "--max-header-bytes",
         type=int,
         help="longest request line + headers (431 beyond) and gRPC metadata (default 65536)",
+    )
+    serve.add_argument(
+        "--http-keep-alive-timeout-s",
+        type=float,
+        help="close HTTP connections idle this long, seconds (0: never; default 75; keep it "
+        "above the idle timeout of a proxy in front)",
     )
     serve.add_argument(
         "--max-tensor-elements",

@@ -356,7 +356,7 @@ class ModelScheduler:
         )
         if self.adaptive is not None and result.error is None:
             self.adaptive.observe(batch, result.finished_s - result.started_s)
-        self.batcher.instance_freed(self.clock(), result.finished_s - result.started_s)
+        self.batcher.instance_freed(self.clock(), result.finished_s - result.started_s, batch.rows)
         if result.error is not None:
             self._batch_failed(batch, result.error, result.retryable, result.started_s)
         else:
