@@ -196,6 +196,10 @@ def test_regather_window_is_bounded_by_a_tenth_of_the_batch_time_and_the_delay()
     assert b.next_batch(0.0205) is None
     batch = b.next_batch(0.021)
     assert batch is not None and tags(batch) == ["late"]  # nobody came: it goes alone
+    # a window under a timer tick (1 ms) is not opened: fast batches do not wait a tick
+    b.add(item(at=0.021, tag="fast"))
+    b.instance_freed(0.030, service_s=0.005, rows=1)
+    assert tags(b.next_batch(0.030)) == ["fast"]
     # without early dispatch there is no window
     plain = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.010)
     plain.add(item(tag="p"))

@@ -26,7 +26,7 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   into batches of 7 and 1 (the straggler that arrived during a batch runs alone next) or 4
   and 4, well below batches of 8 on a CPU; with two instances 4 and 4 stays 4 and 4 (the other
   instance's rows are not coming back yet). The window costs at most a tenth of a batch's
-  time when nobody comes.
+  time when nobody comes, and is skipped when it would be shorter than 1 ms (a timer tick).
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -41,6 +41,8 @@ from typing import Any
 
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.errors import OverloadedError
+
+_MIN_REGATHER_S = 0.001
 
 
 @dataclass(slots=True, eq=False)
@@ -264,8 +266,11 @@ class DynamicBatcher:
         """An instance finished a batch of ``rows`` rows that took ``service_s`` seconds, at
         ``now``: open the regather window (see the module docstring). No effect without
         ``early_dispatch`` or with no queued rows."""
-        if self.early_dispatch and self.max_queue_delay_s > 0 and self._rows:
-            self._regather_until = now + min(self.max_queue_delay_s, 0.1 * service_s)
+        window = min(self.max_queue_delay_s, 0.1 * service_s)
+        # A window shorter than an event-loop timer tick (1 ms with uvloop/libuv) would wait
+        # a whole tick: not worth it for batches that fast.
+        if self.early_dispatch and window >= _MIN_REGATHER_S and self._rows:
+            self._regather_until = now + window
             self._regather_rows = self.queued_rows + rows
 
     def _take(self, key: Hashable, target: int, now: float) -> Batch:
