@@ -121,6 +121,22 @@ def test_http_management_token_is_separate_from_the_api_token(token_server):
         assert infer.status_code == 401
 
 
+def test_load_generator_sends_the_api_token_over_http_and_grpc(token_server):
+    from gpuserve.bench.benchmark import BenchConfig, run_benchmark
+    from gpuserve.bench.loadgen import LoadSettings
+    from gpuserve.bench.server_info import ServerError
+
+    fast = LoadSettings(warmup_s=0.2, window_s=0.3, stable_windows=2, tolerance=0.5, max_windows=3)
+    base = {"url": token_server.url, "model": "double_fp32", "levels": [2], "settings": fast}
+    with pytest.raises(ServerError, match="HTTP 401"):
+        run_benchmark(BenchConfig(**base))
+    for protocol in ("http", "grpc"):
+        config = BenchConfig(**base, protocol=protocol, grpc_url=token_server.grpc_url, token=API)
+        [level] = run_benchmark(config).levels
+        assert level.summary.ok > 0 and not level.summary.errors, (protocol, level.summary)
+        assert level.server is not None  # the statistics reads carried the token too
+
+
 def test_grpc_api_token_and_management_token(token_server):
     with grpc.insecure_channel(token_server.grpc_url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)

@@ -48,6 +48,7 @@ class BenchConfig:
         input_data: perf_analyzer-style JSON file of requests instead of generated data.
         samples: Distinct generated requests to cycle through.
         metrics_url: Prometheus endpoint with GPU series; None = ``{url}/metrics``.
+        token: The server's API bearer token, or None.
         settings: Windows, warm-up, timeouts.
     """
 
@@ -64,6 +65,7 @@ class BenchConfig:
     input_data: Path | None = None
     samples: int = 16
     metrics_url: str | None = None
+    token: str | None = None
     settings: LoadSettings = field(default_factory=LoadSettings)
 
 
@@ -105,7 +107,9 @@ class BenchResult:
         }
 
 
-def resolve_model(url: str, model: str | None, version: str | None) -> ModelInfo:
+def resolve_model(
+    url: str, model: str | None, version: str | None, token: str | None = None
+) -> ModelInfo:
     """Metadata of ``model``; with no model named, the server's only ready model.
 
     Raises:
@@ -113,12 +117,12 @@ def resolve_model(url: str, model: str | None, version: str | None) -> ModelInfo
             none named.
     """
     if model is None:
-        names = server_info.list_models(url)
+        names = server_info.list_models(url, token)
         if len(names) != 1:
             listed = ", ".join(names) or "none found"
             raise server_info.ServerError(f"name the model with --model (models: {listed})")
         model = names[0]
-    return server_info.fetch_model_info(url, model, version)
+    return server_info.fetch_model_info(url, model, version, token)
 
 
 def build_target(config: BenchConfig, info: ModelInfo) -> Target:
@@ -129,8 +133,10 @@ def build_target(config: BenchConfig, info: ModelInfo) -> Target:
         samples = generate_samples(info, config.batch_size, config.shapes, config.samples)
     timeout = config.settings.timeout_s
     if config.protocol == "grpc":
-        return GrpcTarget(config.grpc_url, info, samples, config.binary, timeout)
-    return HttpTarget(config.url, info, samples, config.binary, timeout)
+        return GrpcTarget(
+            config.grpc_url, info, samples, config.binary, timeout, token=config.token
+        )
+    return HttpTarget(config.url, info, samples, config.binary, timeout, token=config.token)
 
 
 def run_benchmark(
@@ -149,9 +155,11 @@ def run_benchmark(
     url = config.url.rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    info = info or resolve_model(url, config.model, config.version)
+    info = info or resolve_model(url, config.model, config.version, config.token)
     target = build_target(config, info)
-    probe = ServerProbe(url, info.name, info.version, config.metrics_url or f"{url}/metrics")
+    probe = ServerProbe(
+        url, info.name, info.version, config.metrics_url or f"{url}/metrics", config.token
+    )
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     batch_size = config.batch_size if info.batching else 1
 

@@ -67,12 +67,14 @@ class ServerProbe:
         base_url: HTTP base URL of the server (also used for gRPC targets).
         model / version: The model under test.
         metrics_url: Prometheus endpoint to scrape for GPU series, or None.
+        token: The server's API bearer token (for the statistics reads), or None.
     """
 
     base_url: str | None
     model: str
     version: str | None = None
     metrics_url: str | None = None
+    token: str | None = None
 
 
 @dataclass
@@ -269,7 +271,7 @@ async def _fetch_stats(probe: ServerProbe | None) -> server_info.StatsSnapshot |
     if probe is None or probe.base_url is None:
         return None
     return await asyncio.to_thread(
-        server_info.fetch_stats, probe.base_url, probe.model, probe.version
+        server_info.fetch_stats, probe.base_url, probe.model, probe.version, probe.token
     )
 
 

@@ -21,14 +21,22 @@ class ServerError(Exception):
     """The server could not be reached or refused a control-plane call."""
 
 
-def get_json(url: str, timeout_s: float = 10.0, method: str = "GET") -> Any:
-    """GET (or POST with an empty body) ``url`` and parse its JSON.
+def auth_headers(token: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <token>`` for a server with an API token; empty without."""
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def get_json(
+    url: str, timeout_s: float = 10.0, method: str = "GET", token: str | None = None
+) -> Any:
+    """GET (or POST with an empty body) ``url`` and parse its JSON; ``token`` is sent as a
+    bearer token when given.
 
     Raises:
         ServerError: not reachable, a non-200 answer (its error text is quoted), or not JSON.
     """
     data = b"" if method == "POST" else None
-    request = urllib.request.Request(url, data=data, method=method)
+    request = urllib.request.Request(url, data=data, method=method, headers=auth_headers(token))
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
@@ -55,16 +63,18 @@ def model_path(base_url: str, model: str, version: str | None) -> str:
     return f"{path}/versions/{version}" if version else path
 
 
-def fetch_model_info(base_url: str, model: str, version: str | None = None) -> ModelInfo:
+def fetch_model_info(
+    base_url: str, model: str, version: str | None = None, token: str | None = None
+) -> ModelInfo:
     """Metadata (and config, when the server has the extension) of the model under test.
 
     Raises:
         ServerError: the model is unknown or not ready, or the server is unreachable.
     """
     path = model_path(base_url, model, version)
-    metadata = get_json(path)
+    metadata = get_json(path, token=token)
     try:
-        config = get_json(f"{path}/config")
+        config = get_json(f"{path}/config", token=token)
     except ServerError:
         config = None
     if isinstance(config, dict) and "config" in config:  # Triton wraps it
@@ -72,10 +82,10 @@ def fetch_model_info(base_url: str, model: str, version: str | None = None) -> M
     return ModelInfo.from_metadata(metadata, config if isinstance(config, dict) else None, version)
 
 
-def list_models(base_url: str) -> list[str]:
+def list_models(base_url: str, token: str | None = None) -> list[str]:
     """Names of the server's ready models (repository index extension), or [] if absent."""
     try:
-        index = get_json(f"{base_url}/v2/repository/index", method="POST")
+        index = get_json(f"{base_url}/v2/repository/index", method="POST", token=token)
     except ServerError:
         return []
     names = [
@@ -97,10 +107,12 @@ class StatsSnapshot:
     inference_count: int = 0
 
 
-def fetch_stats(base_url: str, model: str, version: str | None) -> StatsSnapshot | None:
+def fetch_stats(
+    base_url: str, model: str, version: str | None, token: str | None = None
+) -> StatsSnapshot | None:
     """The statistics extension's counters, or None when the server has no such endpoint."""
     try:
-        body = get_json(f"{model_path(base_url, model, version)}/stats")
+        body = get_json(f"{model_path(base_url, model, version)}/stats", token=token)
     except ServerError:
         return None
     snap = StatsSnapshot()

@@ -17,6 +17,7 @@ import numpy as np
 
 from gpuserve.bench.http_client import HttpConnection, build_request, split_url
 from gpuserve.bench.inputs import ModelInfo, encode_http_body, tensor_bytes
+from gpuserve.bench.server_info import auth_headers
 
 Outcome = tuple[str, int, int]
 _STATUS_TEXT = {code: str(code) for code in range(100, 600)}
@@ -91,6 +92,7 @@ class HttpTarget:
         binary: Use the binary tensor extension for inputs and outputs (else JSON).
         timeout_s: A request unanswered this long is failed (``"timeout"``) and its
             connection dropped.
+        token: API bearer token of the server, or None.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class HttpTarget:
         samples: list[dict[str, np.ndarray]],
         binary: bool = False,
         timeout_s: float = 30.0,
+        token: str | None = None,
     ) -> None:
         self.host, self.port, prefix = split_url(url)
         path = f"{prefix}/v2/models/{info.name}"
@@ -109,6 +112,7 @@ class HttpTarget:
         self.requests: list[bytes] = []
         for sample in samples:
             body, headers = encode_http_body(info, sample, binary)
+            headers = {**headers, **auth_headers(token)}
             self.requests.append(build_request("POST", self.host, self.port, path, body, headers))
         self.samples = len(self.requests)
         self.timeout_s = timeout_s
@@ -180,7 +184,9 @@ class GrpcSession:
 
         target = self.target
         call = self.stub.ModelInfer(  # type: ignore[attr-defined]
-            target.requests[index % target.samples], timeout=target.timeout_s
+            target.requests[index % target.samples],
+            timeout=target.timeout_s,
+            metadata=target.metadata,
         )
         try:
             await call
@@ -205,6 +211,7 @@ class GrpcTarget:
 
     Binary mode sends ``raw_input_contents``; JSON mode sends typed ``contents`` (FP16 has no
     typed field and always goes raw). Sessions share ``channels`` HTTP/2 channels round-robin.
+    ``token`` (the server's API token) goes with every call as ``authorization`` metadata.
     """
 
     def __init__(
@@ -215,8 +222,10 @@ class GrpcTarget:
         binary: bool = True,
         timeout_s: float = 30.0,
         channels: int = 2,
+        token: str | None = None,
     ) -> None:
         service_pb2, _ = _grpc_modules()
+        self.metadata = tuple(auth_headers(token).items()) or None
         self.address = address.removeprefix("grpc://")
         self.timeout_s = timeout_s
         self._channel_count = max(1, channels)

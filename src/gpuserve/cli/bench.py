@@ -12,6 +12,7 @@ or the server/model could not be reached.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,11 @@ def register(sub: Any) -> None:
     )
     bench.add_argument(
         "--metrics-url", help="Prometheus endpoint with GPU series (default URL/metrics)"
+    )
+    bench.add_argument(
+        "--token",
+        default=os.environ.get("GPUSERVE_API_TOKEN"),
+        help="the server's API bearer token, sent with every call (default $GPUSERVE_API_TOKEN)",
     )
     bench.add_argument(
         "--output-dir",
@@ -207,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         shapes=shapes,
         input_data=args.input_data,
         metrics_url=args.metrics_url,
+        token=args.token,
         settings=settings,
     )
     unit = "concurrency" if mode == "concurrency" else "rate"
