@@ -292,6 +292,30 @@ def test_tls_for_http_and_grpc_with_real_clients(tmp_path):
         server.stop()
 
 
+def test_load_generator_over_tls_with_the_server_certificate(tmp_path):
+    from gpuserve.bench.benchmark import BenchConfig, run_benchmark
+    from gpuserve.bench.loadgen import LoadSettings
+    from gpuserve.bench.server_info import ServerError
+
+    cert_file, key_file = self_signed_certificate(tmp_path)
+    repo = make_repository(tmp_path / "repo", "double_fp32")
+    server = InProcessServer(repo, metrics_port=-1, tls_cert_file=cert_file, tls_key_file=key_file)
+    fast = LoadSettings(warmup_s=0.2, window_s=0.3, stable_windows=2, tolerance=0.5, max_windows=3)
+    https = f"https://127.0.0.1:{server.port}"
+    base = {"url": https, "model": "double_fp32", "levels": [2], "settings": fast}
+    try:
+        with pytest.raises(ServerError, match="CERTIFICATE_VERIFY_FAILED"):
+            run_benchmark(BenchConfig(**base))  # not trusted without the CA file
+        for protocol, grpc_url in (("http", ""), ("grpc", f"grpcs://{server.grpc_url}")):
+            config = BenchConfig(**base, protocol=protocol, grpc_url=grpc_url, ca_file=cert_file)
+            result = run_benchmark(config)
+            [level] = result.levels
+            assert level.summary.ok > 0 and not level.summary.errors, (protocol, level.summary)
+            assert level.server is not None
+    finally:
+        server.stop()
+
+
 def test_tls_needs_both_files(tmp_path):
     from gpuserve.config import ServerConfig
 

@@ -194,8 +194,9 @@ def test_garbage_is_a_protocol_error():
 def test_urls_and_request_bytes():
     assert split_url("127.0.0.1:8000") == ("127.0.0.1", 8000, "")
     assert split_url("http://h:1/prefix/") == ("h", 1, "/prefix")
-    with pytest.raises(ValueError):
-        split_url("https://h")
+    assert split_url("https://h") == ("h", 443, "")
+    with pytest.raises(ValueError, match="only http:// and https://"):
+        split_url("ftp://h")
     raw = build_request("POST", "h", 1, "/v2/x", b"{}", {"Content-Type": "application/json"})
     assert raw == (
         b"POST /v2/x HTTP/1.1\r\nHost: h:1\r\nContent-Type: application/json\r\n"

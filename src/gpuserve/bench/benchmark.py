@@ -49,6 +49,8 @@ class BenchConfig:
         samples: Distinct generated requests to cycle through.
         metrics_url: Prometheus endpoint with GPU series; None = ``{url}/metrics``.
         token: The server's API bearer token, or None.
+        ca_file: PEM file that signs the server's TLS certificate (``https://`` URLs and
+            ``grpcs://`` gRPC addresses); None: the system's CAs.
         settings: Windows, warm-up, timeouts.
     """
 
@@ -66,6 +68,7 @@ class BenchConfig:
     samples: int = 16
     metrics_url: str | None = None
     token: str | None = None
+    ca_file: Path | None = None
     settings: LoadSettings = field(default_factory=LoadSettings)
 
 
@@ -108,7 +111,11 @@ class BenchResult:
 
 
 def resolve_model(
-    url: str, model: str | None, version: str | None, token: str | None = None
+    url: str,
+    model: str | None,
+    version: str | None,
+    token: str | None = None,
+    ca_file: Path | None = None,
 ) -> ModelInfo:
     """Metadata of ``model``; with no model named, the server's only ready model.
 
@@ -117,12 +124,12 @@ def resolve_model(
             none named.
     """
     if model is None:
-        names = server_info.list_models(url, token)
+        names = server_info.list_models(url, token, ca_file)
         if len(names) != 1:
             listed = ", ".join(names) or "none found"
             raise server_info.ServerError(f"name the model with --model (models: {listed})")
         model = names[0]
-    return server_info.fetch_model_info(url, model, version, token)
+    return server_info.fetch_model_info(url, model, version, token, ca_file)
 
 
 def build_target(config: BenchConfig, info: ModelInfo) -> Target:
@@ -134,9 +141,23 @@ def build_target(config: BenchConfig, info: ModelInfo) -> Target:
     timeout = config.settings.timeout_s
     if config.protocol == "grpc":
         return GrpcTarget(
-            config.grpc_url, info, samples, config.binary, timeout, token=config.token
+            config.grpc_url,
+            info,
+            samples,
+            config.binary,
+            timeout,
+            token=config.token,
+            ca_file=config.ca_file,
         )
-    return HttpTarget(config.url, info, samples, config.binary, timeout, token=config.token)
+    return HttpTarget(
+        config.url,
+        info,
+        samples,
+        config.binary,
+        timeout,
+        token=config.token,
+        ca_file=config.ca_file,
+    )
 
 
 def run_benchmark(
@@ -155,10 +176,15 @@ def run_benchmark(
     url = config.url.rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    info = info or resolve_model(url, config.model, config.version, config.token)
+    info = info or resolve_model(url, config.model, config.version, config.token, config.ca_file)
     target = build_target(config, info)
     probe = ServerProbe(
-        url, info.name, info.version, config.metrics_url or f"{url}/metrics", config.token
+        url,
+        info.name,
+        info.version,
+        config.metrics_url or f"{url}/metrics",
+        config.token,
+        config.ca_file,
     )
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     batch_size = config.batch_size if info.batching else 1

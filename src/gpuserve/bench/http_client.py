@@ -11,7 +11,9 @@ becoming the bottleneck on a small machine.
 from __future__ import annotations
 
 import asyncio
+import ssl as ssl_module
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 
@@ -53,9 +55,12 @@ class HttpConnection(asyncio.Protocol):
         self.closed = False
 
     @classmethod
-    async def open(cls, host: str, port: int) -> HttpConnection:
+    async def open(
+        cls, host: str, port: int, ssl: ssl_module.SSLContext | None = None
+    ) -> HttpConnection:
+        """Connect (over TLS with ``ssl``)."""
         loop = asyncio.get_running_loop()
-        _, protocol = await loop.create_connection(cls, host, port)
+        _, protocol = await loop.create_connection(cls, host, port, ssl=ssl)
         return protocol
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -182,19 +187,30 @@ def _dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
 
 
 def split_url(url: str) -> tuple[str, int, str]:
-    """``http://host:port/prefix`` -> (host, port, prefix without trailing slash).
+    """``http[s]://host:port/prefix`` -> (host, port, prefix without trailing slash); the
+    default port is 80 for http and 443 for https (see :func:`is_https`).
 
     Raises:
-        ValueError: not an ``http://`` URL (``https`` is not supported by the bench).
+        ValueError: not an ``http://`` or ``https://`` URL, or no host.
     """
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
-    if parts.scheme != "http":
-        raise ValueError(f"{url!r}: only http:// URLs are supported")
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r}: only http:// and https:// URLs are supported")
     if not parts.hostname:
         raise ValueError(f"{url!r}: no host")
-    return parts.hostname, parts.port or 80, parts.path.rstrip("/")
+    default = 443 if parts.scheme == "https" else 80
+    return parts.hostname, parts.port or default, parts.path.rstrip("/")
+
+
+def is_https(url: str) -> bool:
+    return url.startswith("https://")
+
+
+def tls_context(ca_file: str | Path | None) -> ssl_module.SSLContext:
+    """A client TLS context that trusts ``ca_file`` (PEM), or the system's CAs without one."""
+    return ssl_module.create_default_context(cafile=str(ca_file) if ca_file else None)
 
 
 def build_request(

@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -68,6 +69,7 @@ class ServerProbe:
         model / version: The model under test.
         metrics_url: Prometheus endpoint to scrape for GPU series, or None.
         token: The server's API bearer token (for the statistics reads), or None.
+        ca_file: PEM file the server's TLS certificate is checked against, or None.
     """
 
     base_url: str | None
@@ -75,6 +77,7 @@ class ServerProbe:
     version: str | None = None
     metrics_url: str | None = None
     token: str | None = None
+    ca_file: str | Path | None = None
 
 
 @dataclass
@@ -259,7 +262,7 @@ async def _gpu_sampler(probe: ServerProbe, sampler: server_info.GpuSampler) -> N
     if probe.metrics_url is None:
         return
     while True:
-        text = await asyncio.to_thread(server_info.get_text, probe.metrics_url, 2.0)
+        text = await asyncio.to_thread(server_info.get_text, probe.metrics_url, 2.0, probe.ca_file)
         values = server_info.parse_gpu_metrics(text) if text else {}
         if not values and sampler.count == 0:
             return  # the server exports no GPU series: stop scraping
@@ -271,7 +274,12 @@ async def _fetch_stats(probe: ServerProbe | None) -> server_info.StatsSnapshot |
     if probe is None or probe.base_url is None:
         return None
     return await asyncio.to_thread(
-        server_info.fetch_stats, probe.base_url, probe.model, probe.version, probe.token
+        server_info.fetch_stats,
+        probe.base_url,
+        probe.model,
+        probe.version,
+        probe.token,
+        probe.ca_file,
     )
 
 

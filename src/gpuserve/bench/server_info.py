@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpuserve.bench.inputs import ModelInfo
@@ -27,10 +29,15 @@ def auth_headers(token: str | None) -> dict[str, str]:
 
 
 def get_json(
-    url: str, timeout_s: float = 10.0, method: str = "GET", token: str | None = None
+    url: str,
+    timeout_s: float = 10.0,
+    method: str = "GET",
+    token: str | None = None,
+    ca_file: str | Path | None = None,
 ) -> Any:
     """GET (or POST with an empty body) ``url`` and parse its JSON; ``token`` is sent as a
-    bearer token when given.
+    bearer token when given; an https URL is verified against ``ca_file`` (PEM) when given,
+    else the system's CAs.
 
     Raises:
         ServerError: not reachable, a non-200 answer (its error text is quoted), or not JSON.
@@ -38,7 +45,8 @@ def get_json(
     data = b"" if method == "POST" else None
     request = urllib.request.Request(url, data=data, method=method, headers=auth_headers(token))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
+        with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
         detail = err.read()[:300].decode("utf-8", "replace")
@@ -49,10 +57,11 @@ def get_json(
         raise ServerError(f"{method} {url}: the answer is not JSON") from None
 
 
-def get_text(url: str, timeout_s: float = 5.0) -> str | None:
+def get_text(url: str, timeout_s: float = 5.0, ca_file: str | Path | None = None) -> str | None:
     """The body of ``url`` as text, or None when it is unreachable or not 200."""
+    context = ssl.create_default_context(cafile=str(ca_file)) if ca_file else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             return response.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError):
         return None
@@ -64,7 +73,11 @@ def model_path(base_url: str, model: str, version: str | None) -> str:
 
 
 def fetch_model_info(
-    base_url: str, model: str, version: str | None = None, token: str | None = None
+    base_url: str,
+    model: str,
+    version: str | None = None,
+    token: str | None = None,
+    ca_file: str | Path | None = None,
 ) -> ModelInfo:
     """Metadata (and config, when the server has the extension) of the model under test.
 
@@ -72,9 +85,9 @@ def fetch_model_info(
         ServerError: the model is unknown or not ready, or the server is unreachable.
     """
     path = model_path(base_url, model, version)
-    metadata = get_json(path, token=token)
+    metadata = get_json(path, token=token, ca_file=ca_file)
     try:
-        config = get_json(f"{path}/config", token=token)
+        config = get_json(f"{path}/config", token=token, ca_file=ca_file)
     except ServerError:
         config = None
     if isinstance(config, dict) and "config" in config:  # Triton wraps it
@@ -82,10 +95,14 @@ def fetch_model_info(
     return ModelInfo.from_metadata(metadata, config if isinstance(config, dict) else None, version)
 
 
-def list_models(base_url: str, token: str | None = None) -> list[str]:
+def list_models(
+    base_url: str, token: str | None = None, ca_file: str | Path | None = None
+) -> list[str]:
     """Names of the server's ready models (repository index extension), or [] if absent."""
     try:
-        index = get_json(f"{base_url}/v2/repository/index", method="POST", token=token)
+        index = get_json(
+            f"{base_url}/v2/repository/index", method="POST", token=token, ca_file=ca_file
+        )
     except ServerError:
         return []
     names = [
@@ -108,11 +125,17 @@ class StatsSnapshot:
 
 
 def fetch_stats(
-    base_url: str, model: str, version: str | None, token: str | None = None
+    base_url: str,
+    model: str,
+    version: str | None,
+    token: str | None = None,
+    ca_file: str | Path | None = None,
 ) -> StatsSnapshot | None:
     """The statistics extension's counters, or None when the server has no such endpoint."""
     try:
-        body = get_json(f"{model_path(base_url, model, version)}/stats", token=token)
+        body = get_json(
+            f"{model_path(base_url, model, version)}/stats", token=token, ca_file=ca_file
+        )
     except ServerError:
         return None
     snap = StatsSnapshot()

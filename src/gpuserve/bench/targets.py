@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from gpuserve.bench.http_client import HttpConnection, build_request, split_url
+from gpuserve.bench.http_client import (
+    HttpConnection,
+    build_request,
+    is_https,
+    split_url,
+    tls_context,
+)
 from gpuserve.bench.inputs import ModelInfo, encode_http_body, tensor_bytes
 from gpuserve.bench.server_info import auth_headers
 
@@ -63,7 +70,7 @@ class HttpSession:
         target = self.target
         conn = self.conn
         if conn is None or conn.closed:
-            conn = self.conn = await HttpConnection.open(target.host, target.port)
+            conn = self.conn = await HttpConnection.open(target.host, target.port, target.ssl)
         self.started_s = time.perf_counter()
         try:
             response = await conn.request(target.requests[index % target.samples])
@@ -93,6 +100,8 @@ class HttpTarget:
         timeout_s: A request unanswered this long is failed (``"timeout"``) and its
             connection dropped.
         token: API bearer token of the server, or None.
+        ca_file: For an ``https://`` URL, the PEM file that signs the server's certificate;
+            None: the system's CAs.
     """
 
     def __init__(
@@ -103,8 +112,10 @@ class HttpTarget:
         binary: bool = False,
         timeout_s: float = 30.0,
         token: str | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
         self.host, self.port, prefix = split_url(url)
+        self.ssl = tls_context(ca_file) if is_https(url) else None
         path = f"{prefix}/v2/models/{info.name}"
         if info.version:
             path += f"/versions/{info.version}"
@@ -118,7 +129,8 @@ class HttpTarget:
         self.timeout_s = timeout_s
         self.sessions: list[HttpSession] = []
         fmt = "binary" if binary else "json"
-        self.description = f"http {self.host}:{self.port} {fmt}"
+        scheme = "https" if self.ssl else "http"
+        self.description = f"{scheme} {self.host}:{self.port} {fmt}"
 
     async def session(self) -> HttpSession:
         session = HttpSession(self)
@@ -211,7 +223,8 @@ class GrpcTarget:
 
     Binary mode sends ``raw_input_contents``; JSON mode sends typed ``contents`` (FP16 has no
     typed field and always goes raw). Sessions share ``channels`` HTTP/2 channels round-robin.
-    ``token`` (the server's API token) goes with every call as ``authorization`` metadata.
+    ``token`` (the server's API token) goes with every call as ``authorization`` metadata;
+    a ``grpcs://`` address is TLS, checked against ``ca_file`` (PEM) or the system's CAs.
     """
 
     def __init__(
@@ -223,9 +236,13 @@ class GrpcTarget:
         timeout_s: float = 30.0,
         channels: int = 2,
         token: str | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
         service_pb2, _ = _grpc_modules()
         self.metadata = tuple(auth_headers(token).items()) or None
+        self.tls = address.startswith("grpcs://")
+        self.root_certificates = Path(ca_file).read_bytes() if self.tls and ca_file else None
+        address = address.removeprefix("grpcs://")
         self.address = address.removeprefix("grpc://")
         self.timeout_s = timeout_s
         self._channel_count = max(1, channels)
@@ -262,7 +279,11 @@ class GrpcTarget:
                 ("grpc.max_send_message_length", -1),
             ]
             for _ in range(self._channel_count):
-                channel = grpc.aio.insecure_channel(self.address, options=options)
+                if self.tls:
+                    credentials = grpc.ssl_channel_credentials(self.root_certificates)
+                    channel = grpc.aio.secure_channel(self.address, credentials, options=options)
+                else:
+                    channel = grpc.aio.insecure_channel(self.address, options=options)
                 self._channels.append(channel)
                 self._stubs.append(service_pb2_grpc.GRPCInferenceServiceStub(channel))
         # sessions take the channels in turn, spreading their streams over them

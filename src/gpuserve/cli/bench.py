@@ -111,6 +111,12 @@ def register(sub: Any) -> None:
         help="the server's API bearer token, sent with every call (default $GPUSERVE_API_TOKEN)",
     )
     bench.add_argument(
+        "--ca-file",
+        type=Path,
+        help="PEM file that signs the server's TLS certificate, for https:// URLs and "
+        "grpcs:// gRPC addresses (default: the system's CAs)",
+    )
+    bench.add_argument(
         "--output-dir",
         type=Path,
         default=Path("gpuserve-bench"),
@@ -214,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         input_data=args.input_data,
         metrics_url=args.metrics_url,
         token=args.token,
+        ca_file=args.ca_file,
         settings=settings,
     )
     unit = "concurrency" if mode == "concurrency" else "rate"
