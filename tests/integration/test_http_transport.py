@@ -161,7 +161,7 @@ def test_head_has_a_content_length_but_no_body(server):
     with sock:
         sock.sendall(get("/v2/models/double_fp32/config", "HEAD") + get("/v2/health/live"))
         status, headers, _ = reader.response(head_only=True)
-        assert int(headers["content-length"]) > 0
+        assert status == 200 and int(headers["content-length"]) > 0
         # the next response starts right after the head: no body bytes in between
         status, _, body = reader.response()
     assert status == 200 and json.loads(body) == {"live": True}
@@ -189,21 +189,24 @@ def test_malformed_request_gets_400_and_the_connection_closes(server):
         assert reader.response()[0] == 200
 
 
-def test_body_over_the_limit_gets_413_and_the_connection_stays_usable(small_server):
-    big = b"x" * (100 * 1024)
+def test_body_over_the_limit_gets_413_at_once_then_the_connection_closes(small_server):
+    """Content-Length over the limit: the 413 comes before the body is sent (a client need
+    not upload what will be refused); chunked: as soon as the chunks pass the limit."""
     sock, reader = connect(small_server)
     with sock:
-        sock.sendall(post(DOUBLE, big))
-        status, _, body = reader.response()
+        sock.sendall(post(DOUBLE, b"").replace(b"content-length: 0", b"content-length: 300000000"))
+        status, headers, body = reader.response()
         assert status == 413 and "max_request_body_bytes" in json.loads(body)["error"]
-        sock.sendall(post(DOUBLE, double_body()))
-        assert reader.response()[0] == 200
-        # chunked: the size is only known as the chunks arrive
+        assert headers["connection"] == "close" and reader.closed()
+    sock, reader = connect(small_server)
+    with sock:
         head = f"POST {DOUBLE} HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
-        chunks = b"".join(b"8000\r\n" + b"y" * 0x8000 + b"\r\n" for _ in range(4))
-        sock.sendall(head.encode() + chunks + b"0\r\n\r\n")
-        status, _, body = reader.response()
-        assert status == 413 and "max_request_body_bytes" in json.loads(body)["error"]
+        chunks = b"".join(b"8000\r\n" + b"y" * 0x8000 + b"\r\n" for _ in range(3))
+        sock.sendall(head.encode() + chunks)  # 96 KiB of a body that has no end yet
+        status, headers, body = reader.response()
+        assert status == 413 and headers["connection"] == "close"
+    sock, reader = connect(small_server)  # the server is unharmed
+    with sock:
         sock.sendall(post(DOUBLE, double_body()))
         assert reader.response()[0] == 200
 
@@ -300,3 +303,55 @@ def test_binary_tensor_of_4_mib_both_ways(server):
     result = np.frombuffer(answer[json_size:], dtype=np.float32).reshape(values.shape)
     np.testing.assert_array_equal(result, values + 1)
     assert struct.calcsize("f") * values.size == len(answer) - json_size
+
+
+def test_thousands_of_pipelined_requests_in_one_write(server):
+    """Reads that end inside a request head must not add up to a false 431."""
+    import threading
+
+    count = 5000
+    sock, reader = connect(server)
+    with sock:
+        sender = threading.Thread(target=sock.sendall, args=(get("/v2/health/live") * count,))
+        sender.start()
+        statuses = [reader.response()[0] for _ in range(count)]
+        sender.join()
+    assert statuses == [200] * count
+
+
+def test_header_values_that_are_not_ascii_are_client_errors(server):
+    body = double_body()
+    sock, reader = connect(server)
+    with sock:
+        sock.sendall(post(DOUBLE, body, "inference-header-content-length: \xff\xfe\r\n"))
+        status, _, answer = reader.response()
+    assert status == 400 and "inference-header-content-length" in answer.decode().lower()
+
+
+def test_upgrade_is_never_switched_to(server):
+    sock, reader = connect(server)
+    with sock:
+        sock.sendall(
+            b"GET /v2/health/live HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\n"
+            b"upgrade: h2c\r\n\r\n"
+        )
+        status, headers, _ = reader.response()
+        assert status == 200 and headers["connection"] == "close" and reader.closed()
+    sock, reader = connect(server)
+    with sock:
+        sock.sendall(post(DOUBLE, double_body(), "connection: upgrade\r\nupgrade: websocket\r\n"))
+        status, headers, answer = reader.response()
+    assert status == 400 and "Upgrade" in json.loads(answer)["error"]
+
+
+def test_a_refusal_comes_after_the_answers_before_it(server):
+    slow = json.dumps(
+        {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]}
+    ).encode()
+    sock, reader = connect(server)
+    with sock:
+        sock.sendall(post("/v2/models/slow_fp32/infer", slow) + b"BREW /pot HTTP/1.1\r\n\r\n")
+        first = reader.response()
+        second = reader.response()
+    assert first[0] == 200 and "connection" not in first[1]
+    assert second[0] == 400 and second[1]["connection"] == "close"

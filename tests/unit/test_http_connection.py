@@ -172,4 +172,21 @@ async def test_small_bodies_stay_bytes_and_oversized_ones_get_413_in_order():
     assert transport.written[0].startswith(b"HTTP/1.1 200 OK\r\n")
     assert transport.written[1].startswith(b"HTTP/1.1 413 ")
     assert b"max_request_body_bytes" in transport.written[1]
-    assert not transport.closed  # the body was drained: the connection stays usable
+    assert transport.closed  # a refused body is not read: the connection ends
+
+
+@on_loop
+async def test_no_answer_is_produced_while_the_client_reads_none():
+    """While the transport's write buffer is over its high-water mark (pause_writing), the
+    next pipelined request is not started, so a client that never reads cannot make the
+    server buffer answer after answer."""
+    handler = Recorder()
+    connection, _ = make(handler)
+    feed(connection, b"".join(f"GET /r{i} HTTP/1.1\r\n\r\n".encode() for i in range(3)))
+    connection.pause_writing()
+    handler.requests[0].respond(200, b"{}")
+    await turns()
+    assert len(handler.requests) == 1  # /r1 waits for the client to read
+    connection.resume_writing()
+    await turns()
+    assert [r.path for r in handler.requests] == ["/r0", "/r1"]

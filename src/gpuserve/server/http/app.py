@@ -116,7 +116,7 @@ class HttpApp:
     def handle(self, request: HttpRequest) -> None:
         """Answer ``request``: at once, or (inference, ``/metrics``, repository calls) when
         its work is done. Never raises."""
-        method = request.method
+        method = "GET" if request.method == "HEAD" else request.method  # the body is dropped
         path = request.path
         try:
             if (
@@ -206,7 +206,9 @@ class HttpApp:
         try:
             decoded = decode_infer_request(
                 request.body,
-                parse_header_length(None if header_value is None else header_value.decode()),
+                parse_header_length(
+                    None if header_value is None else header_value.decode("latin-1")
+                ),
                 mv.config,
                 name,
                 version,
@@ -269,7 +271,10 @@ class HttpApp:
         loop = asyncio.get_running_loop()
         try:
             body, content_type = await loop.run_in_executor(
-                None, render, self.metrics.registry, "" if accept is None else accept.decode()
+                None,
+                render,
+                self.metrics.registry,
+                "" if accept is None else accept.decode("latin-1"),
             )
         except Exception as err:
             self._fail(request, err)

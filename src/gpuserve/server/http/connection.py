@@ -13,14 +13,21 @@ What it enforces, each with a JSON ``{"error": ...}`` answer:
   Too Large, then close). httptools holds an incomplete header back, so the bytes of a head
   still incomplete after a read are counted too, with slack for the tail of the previous
   request in the same read: one endless header is cut off as well.
-* the body is at most ``max_request_body_bytes`` (413; checked against ``Content-Length``
-  before the body arrives and against the bytes received for chunked bodies; the rest of the
-  body is read and dropped, so the connection stays usable).
-* malformed HTTP gets 400 and the connection closes (the parser cannot resynchronise).
+* the body is at most ``max_request_body_bytes`` (413 as soon as ``Content-Length`` or the
+  bytes of a chunked body say so, without waiting for the rest, then close).
+* malformed HTTP gets 400 and the connection closes (the parser cannot resynchronise); a
+  request with a body and an ``Upgrade`` header gets 400 (no protocol switch is offered, and
+  llhttp passes no body on after one); a bodiless one is answered, then the connection closes.
 
-``Expect: 100-continue`` is answered with ``100 Continue`` unless the body is already known to
-be too large. Connections idle for ``keep_alive_timeout_s`` are closed. Protocol rules follow
-RFC 9112 (HTTP/1.1 message syntax, persistence and pipelining).
+Refusals come after the answers to the requests before them and end with a lingering close
+(write side shut, input drained for a second) so the client can read them. A client that
+closes its side of the connection is taken as gone, not as half-closed: what it queued is
+dropped before it runs (see the cancellation probe in the app). ``Expect:
+100-continue`` is answered with ``100 Continue`` (not to HTTP/1.0). Connections idle for
+``keep_alive_timeout_s`` are closed, and so are connections whose client has read none of its
+answers for that long (while it does not read, no further answer is produced). HEAD is
+answered like GET without the body. Protocol rules follow RFC 9112 (HTTP/1.1 message syntax,
+persistence and pipelining).
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ _MAX_PIPELINED = 16  # parsed requests waiting per connection before reading pau
 _WRITELINES_FROM = 64 * 1024  # bodies this large are not copied into one buffer with the head
 _LINGER_S = 1.0  # how long a refused connection's unread input is drained before closing
 _READ_BUFFER = 256 * 1024  # the socket is read straight into this (BufferedProtocol)
-_PREALLOCATE_FROM = 64 * 1024  # bodies this large are assembled in one buffer as they arrive
 
 
 class Handler(Protocol):
@@ -66,8 +72,8 @@ class HttpRequest:
         path: The percent-decoded path, e.g. ``/v2/models/m/infer`` (str).
         query: The raw query string without ``?`` (bytes, may be empty).
         headers: ``(name, value)`` pairs in arrival order; names lower case (bytes).
-        body: The whole body (bytes, or a bytearray for a body of 64 KiB or more sent with
-            Content-Length; chunked transfer coding already removed).
+        body: The whole body (bytes, or a bytearray when it arrived in several pieces;
+            chunked transfer coding already removed).
         started_s: ``time.monotonic()`` when the request was complete (seconds).
         keep_alive: Whether the connection may carry another request after this one.
         access: Set by the handler for the access log (model, version, request), or None.
@@ -178,6 +184,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         on_close: Called once with this connection when it is closed.
         on_open: Called with this connection when it is established (after the TLS
             handshake, with TLS: a failed handshake never opens a connection).
+        read_buffer: Where the socket is read into. Connections of one event loop may share
+            one: each read is parsed (and the parser copies what it keeps) before the next.
     """
 
     def __init__(
@@ -188,6 +196,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         keep_alive_timeout_s: float,
         on_close: Callable[[HttpConnection], None],
         on_open: Callable[[HttpConnection], None] | None = None,
+        read_buffer: memoryview | None = None,
     ) -> None:
         self.handler = handler
         self.on_open = on_open
@@ -211,11 +220,13 @@ class HttpConnection(asyncio.BufferedProtocol):
         # the message being parsed
         self._url = b""
         self._headers: Headers = []
-        self._body: list[bytes] = []
+        self._body_first = b""  # a body that arrives in one piece is kept as it is
         self._body_size = 0
-        self._body_buffer: bytearray | None = None  # a large body with a known length
-        self._too_large: tuple[int, str] | None = None
-        self._read_view = memoryview(bytearray(_READ_BUFFER))
+        self._body_buffer: bytearray | None = None  # a body of several pieces
+        self._too_large = False
+        self._began = False  # a message began during the current read
+        self._upgrade = False  # the message being parsed carries an Upgrade header
+        self._read_view = read_buffer or memoryview(bytearray(_READ_BUFFER))
         self._in_head = True
         self._head_bytes = 0
         self._pending_bytes = 0
@@ -253,23 +264,32 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def data_received(self, data: bytes | memoryview) -> None:
         if self._broken:
-            return
+            return  # after a refusal the rest of the input is dropped
         self._last_active = self.loop.time()
+        self._began = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            # A request asked to switch protocols; it is answered over HTTP/1.1 and the
-            # connection closes after it (no protocol switch is offered).
+            # A request asked to switch protocols; none is offered: it was answered over
+            # HTTP/1.1 with connection: close (see on_headers_complete).
             self._broken = True
             self._close_after_answers()
             return
         except httptools.HttpParserError as err:
-            self._parser_failed(err)
+            if not self._broken:
+                self._parser_failed(err)
             return
-        if self._in_head and not self._broken:
+        if self._in_head and not self._broken and not self._began:
+            # A head still incomplete after a whole read: its bytes are held by the parser.
+            # (A head that began in this read holds at most this read.)
             self._pending_bytes += len(data)
             if self._pending_bytes > 2 * self.max_header_bytes + 65536:
                 self._head_too_large()
+
+    def eof_received(self) -> bool:
+        """The client closed its side: it is taken as gone (its queued requests are then
+        dropped before they run, BC-11), not as a half-close awaiting answers."""
+        return False  # asyncio closes the transport
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -279,17 +299,21 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._writing_paused = False
         if len(self._waiting) < _MAX_PIPELINED:
             self._resume_reading()
+        if self._current is None and self._waiting:
+            self.loop.call_soon(self._next)
 
     # -- httptools callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
-        self._body = []
-        self._body_size = 0
+        self._body_first = b""
         self._body_buffer = None
-        self._too_large = None
+        self._body_size = 0
+        self._too_large = False
+        self._upgrade = False
         self._in_head = True
+        self._began = True
         self._head_bytes = 0
         self._pending_bytes = 0
 
@@ -304,60 +328,71 @@ class HttpConnection(asyncio.BufferedProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         expect = False
+        has_body = False
         for name, value in self._headers:
             if name == b"content-length" and value.isdigit():
                 length = int(value)
+                has_body = length > 0
                 if length > self.max_body_bytes:
-                    self._too_large = (
-                        413,
+                    # Answered now, not after a body that will be refused: then close.
+                    self._body_too_large(
                         f"request body of {length} bytes exceeds the limit of "
-                        f"{self.max_body_bytes} bytes (max_request_body_bytes)",
+                        f"{self.max_body_bytes} bytes (max_request_body_bytes)"
                     )
-                elif length >= _PREALLOCATE_FROM:
-                    # One buffer of the announced size, filled as the pieces arrive: one copy
-                    # of each byte and no second body-sized buffer for a join.
-                    self._body_buffer = bytearray(length)
+                    return
+            elif name == b"transfer-encoding":
+                has_body = True
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
-        if expect and self._too_large is None and self.transport is not None:
+            elif name == b"upgrade":
+                self._upgrade = True
+        if self._upgrade and has_body:
+            # llhttp hands no body on after an Upgrade header; refuse rather than run the
+            # request without it.
+            self._refuse(
+                400,
+                "a request with a body cannot carry 'Upgrade' (no protocol switch is offered); "
+                "send it without the Upgrade header",
+            )
+            return
+        if expect and self.transport is not None and self.parser.get_http_version() != "1.0":
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
-        if self._too_large is not None:
+        if self._too_large or self._broken:
             return
-        start = self._body_size
         self._body_size += len(body)
-        buffer = self._body_buffer
-        if buffer is not None and self._body_size <= len(buffer):
-            buffer[start : self._body_size] = body
-            return
-        if buffer is not None:  # more than announced: the parser would have failed first
-            self._body = [bytes(buffer[:start])]
-            self._body_buffer = None
         if self._body_size > self.max_body_bytes:
-            self._too_large = (
-                413,
+            self._body_too_large(
                 f"request body exceeds the limit of {self.max_body_bytes} bytes "
-                "(max_request_body_bytes)",
+                "(max_request_body_bytes)"
             )
-            self._body = []
             return
-        self._body.append(body)
+        # One piece is kept as it is; several are appended to one growing buffer (each byte
+        # copied once: large buffers grow by remapping pages, not copying), never preallocated
+        # from Content-Length, so memory follows the bytes that actually arrived.
+        if self._body_buffer is not None:
+            self._body_buffer += body
+        elif not self._body_first:
+            self._body_first = body
+        else:
+            self._body_buffer = bytearray(self._body_first)
+            self._body_buffer += body
+            self._body_first = b""
 
     def on_message_complete(self) -> None:
+        if self._broken:
+            return  # the request was refused early (too large, Upgrade with a body)
         parsed = httptools.parse_url(self._url)
         raw_path = parsed.path
         path = raw_path.decode("latin-1")
         if "%" in path:
             path = unquote(path)
-        if self._body_buffer is not None:
-            body: bytes | bytearray = self._body_buffer
-            if self._body_size < len(body):  # cannot happen with a valid Content-Length
-                body = body[: self._body_size]
-            self._body_buffer = None
-        else:
-            body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body = []
+        body: bytes | bytearray = (
+            self._body_buffer if self._body_buffer is not None else self._body_first
+        )
+        self._body_buffer = None
+        self._body_first = b""
         request = HttpRequest(
             self,
             self.parser.get_method().decode("ascii"),
@@ -365,10 +400,15 @@ class HttpConnection(asyncio.BufferedProtocol):
             parsed.query or b"",
             self._headers,
             body,
-            self.parser.should_keep_alive(),
-            self._too_large,
+            self.parser.should_keep_alive() and not self._upgrade,
         )
         self._enqueue(request)
+
+    def _body_too_large(self, message: str) -> None:
+        self._too_large = True
+        self._body_buffer = None
+        self._body_first = b""
+        self._refuse(413, message)
 
     # -- answering -------------------------------------------------------------------------
 
@@ -408,7 +448,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
             return
-        keep_alive = request.keep_alive and not self.closing and not self._broken
+        keep_alive = request.keep_alive and not self.closing
         parts = [
             _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode(),
             b"content-type: ",
@@ -452,6 +492,8 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _next(self) -> None:
         if self._current is not None or not self._waiting or self.closed:
             return
+        if self._writing_paused:
+            return  # the client is not reading: resume_writing starts the next answer
         request = self._waiting.popleft()
         if len(self._waiting) < _MAX_PIPELINED and not self._writing_paused:
             self._resume_reading()
@@ -485,6 +527,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.closed:
             return
         idle_for = self.loop.time() - self._last_active
+        if self._writing_paused and idle_for >= self.keep_alive_timeout_s:
+            # A client that reads none of its answers for that long is dropped with them.
+            self.abort()
+            return
         if self.idle and idle_for >= self.keep_alive_timeout_s:
             if self.transport is not None:
                 self.transport.close()
@@ -556,6 +602,8 @@ class HttpListener:
         self.keep_alive_timeout_s = keep_alive_timeout_s
         self.connections: set[HttpConnection] = set()
         self.server: asyncio.base_events.Server | None = None
+        # One read buffer for every connection of this listener's loop (see HttpConnection).
+        self._read_buffer = memoryview(bytearray(_READ_BUFFER))
         self._all_closed: asyncio.Event | None = None
 
     def _connection(self) -> HttpConnection:
@@ -566,6 +614,7 @@ class HttpListener:
             self.keep_alive_timeout_s,
             self._closed,
             self.connections.add,
+            self._read_buffer,
         )
 
     def _closed(self, connection: HttpConnection) -> None:
