@@ -369,9 +369,8 @@ class HttpConnection(asyncio.BufferedProtocol):
             )
             return
         # One piece is kept as it is; several are appended to one growing buffer (each byte
-        # copied once, bar the early moves of a still-small buffer: a large one grows in place
-        # by remapping pages), never preallocated from Content-Length, so memory follows the
-        # bytes that actually arrived.
+        # copied once, bar the occasional move of the growing buffer), never preallocated from
+        # Content-Length, so memory follows the bytes that actually arrived.
         if self._body_buffer is not None:
             self._body_buffer += body
         elif not self._body_first:
