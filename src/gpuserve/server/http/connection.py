@@ -33,6 +33,7 @@ persistence and pipelining).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -596,25 +597,19 @@ class HttpListener:
         max_body_bytes: int,
         keep_alive_timeout_s: float,
     ) -> None:
-        self.handler = handler
-        self.max_header_bytes = max_header_bytes
-        self.max_body_bytes = max_body_bytes
-        self.keep_alive_timeout_s = keep_alive_timeout_s
         self.connections: set[HttpConnection] = set()
         self.server: asyncio.base_events.Server | None = None
-        # One read buffer for every connection of this listener's loop (see HttpConnection).
-        self._read_buffer = memoryview(bytearray(_READ_BUFFER))
         self._all_closed: asyncio.Event | None = None
-
-    def _connection(self) -> HttpConnection:
-        return HttpConnection(
-            self.handler,
-            self.max_header_bytes,
-            self.max_body_bytes,
-            self.keep_alive_timeout_s,
+        # Every connection of this listener's loop shares one read buffer (see HttpConnection).
+        self._connection = functools.partial(
+            HttpConnection,
+            handler,
+            max_header_bytes,
+            max_body_bytes,
+            keep_alive_timeout_s,
             self._closed,
             self.connections.add,
-            self._read_buffer,
+            memoryview(bytearray(_READ_BUFFER)),
         )
 
     def _closed(self, connection: HttpConnection) -> None:
