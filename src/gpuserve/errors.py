@@ -86,6 +86,20 @@ class UnavailableError(GpuserveError):
     reason = "unavailable"
 
 
+class UnauthenticatedError(GpuserveError):
+    """The call needs a bearer token it did not carry, or carried a wrong one (HTTP 401 with
+    ``WWW-Authenticate: Bearer``, gRPC UNAUTHENTICATED)."""
+
+    reason = "unauthorized"
+
+
+class PermissionDeniedError(GpuserveError):
+    """The call is refused whatever the token: model management is disabled on this server
+    (HTTP 403, gRPC PERMISSION_DENIED)."""
+
+    reason = "forbidden"
+
+
 class ConfigError(GpuserveError):
     """A model configuration or repository layout is invalid.
 

@@ -13,6 +13,7 @@ from gpuserve.protocol.grpc_codec import CONTENTS_FIELD, decode_infer_request, e
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import model_config_pb2 as mc
 from gpuserve.server.grpc.messages import CONFIG_DATATYPE, model_config
+from gpuserve.service.views import ModelConfigView
 
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
 DATATYPES += ["FP16", "FP32", "FP64", "BYTES"]
@@ -149,7 +150,7 @@ def test_encode_refuses_what_the_model_got_wrong():
 
 def test_model_config_message():
     config = config_for("BYTES").model_copy(update={"parameters": {"n": 3, "s": "x"}})
-    message = model_config("m", config)
+    message = model_config(ModelConfigView("m", "python", config))
     assert message.input[0].data_type == mc.TYPE_STRING and list(message.input[0].dims) == [-1]
     assert message.parameters["n"].string_value == "3"
     assert message.parameters["s"].string_value == "x"

@@ -1,7 +1,11 @@
-"""Imports point one way (STYLE.md habit 1): the engine never imports the server, the metrics
-layer, prometheus_client, gRPC or the HTTP stack; backends never import the engine or the
-server. Checked statically (every import statement, including function-local ones and
-``TYPE_CHECKING`` blocks) and at run time (what importing the engine pulls in)."""
+"""Imports point one way (STYLE.md habit 1, DESIGN.md: cli -> server -> service -> engine ->
+backends): the engine never imports the server, the service, the metrics layer,
+prometheus_client, gRPC or the HTTP stack; backends never import the engine or the server; the
+inference service imports no front end and no wire format (server, protocol, gRPC, protobuf,
+HTTP); one front end never imports another (``server.grpc`` nothing of ``server.http``), and no
+front end reaches the model manager but through the service. Checked statically (every import
+statement, including function-local ones and ``TYPE_CHECKING`` blocks) and at run time (what
+importing the engine pulls in)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ PACKAGE = Path(gpuserve.__file__).parent
 FORBIDDEN = {
     "engine": (
         "gpuserve.server",
+        "gpuserve.service",
         "gpuserve.metrics",
         "gpuserve.cli",
         "prometheus_client",
@@ -27,6 +32,17 @@ FORBIDDEN = {
         "httptools",
     ),
     "backends": ("gpuserve.engine", "gpuserve.server", "gpuserve.metrics", "gpuserve.cli"),
+    "service": (
+        "gpuserve.server",
+        "gpuserve.cli",
+        "gpuserve.protocol",
+        "grpc",
+        "google.protobuf",
+        "httptools",
+    ),
+    "server": ("gpuserve.repository.manager",),
+    "server/grpc": ("gpuserve.server.http",),
+    "server/http": ("gpuserve.server.grpc",),
 }
 
 
@@ -62,6 +78,7 @@ def violations(layer: str) -> list[str]:
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
 def test_layer_imports_point_one_way(layer):
     assert (PACKAGE / layer).is_dir()
+    assert list((PACKAGE / layer).rglob("*.py"))
     assert violations(layer) == []
 
 
@@ -98,3 +115,14 @@ def test_importing_the_engine_loads_no_server_or_metrics_module():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_check_sees_a_front_end_importing_another(tmp_path, monkeypatch):
+    fake = tmp_path / "gpuserve"
+    (fake / "server" / "grpc").mkdir(parents=True)
+    (fake / "server" / "grpc" / "bad.py").write_text(
+        "from ..http.app import HttpApp\nfrom gpuserve.repository.manager import ModelManager\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert [entry.split(":")[1].split()[0] for entry in violations("server/grpc")] == ["1", "1"]
+    assert [entry.split(":")[1].split()[0] for entry in violations("server")] == ["2", "2"]

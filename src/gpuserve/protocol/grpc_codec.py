@@ -307,6 +307,32 @@ def decode_infer_request(
     )
 
 
+class GrpcInferMessage:
+    """A ``ModelInferRequest`` as the inference service's ``WireRequest``: the id is a field
+    of the message; :meth:`decode` validates the rest against the routed version's config.
+
+    Args:
+        message: The request as received.
+        limits: Server-wide tensor limits; None: none.
+    """
+
+    __slots__ = ("limits", "message")
+
+    def __init__(self, message: pb.ModelInferRequest, limits: RequestLimits | None = None) -> None:
+        self.message = message
+        self.limits = limits
+
+    def request_id(self) -> str | None:
+        """The request's ``id``, or None when empty."""
+        return self.message.id or None
+
+    def decode(
+        self, config: ModelConfig, model_name: str, model_version: str | None
+    ) -> InferenceRequest:
+        """Validate the message against ``config``; see :func:`decode_infer_request`."""
+        return decode_infer_request(self.message, config, model_name, model_version, self.limits)
+
+
 def encode_infer_response(
     response: InferenceResponse, config: ModelConfig
 ) -> pb.ModelInferResponse:

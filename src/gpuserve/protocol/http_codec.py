@@ -197,6 +197,89 @@ def _decode_outputs(
     return (names or None), binary
 
 
+class HttpInferBody:
+    """The body of one ``/infer`` request, decoded in two steps.
+
+    The JSON header is parsed first, when the request id is asked for (a canary is chosen by
+    it, before the tensors are decoded); :meth:`decode` then validates the tensors against the
+    configuration of the version that takes the request. Implements the inference service's
+    ``WireRequest``.
+
+    Args:
+        body: The whole HTTP request body.
+        header_length: The ``Inference-Header-Content-Length`` header's value as sent, or
+            None when absent (parsed lazily, so a bad value fails like a bad body).
+        limits: Server-wide tensor limits; None: none.
+
+    Attributes:
+        output_options: How each output goes back, set by :meth:`decode`.
+    """
+
+    __slots__ = ("_binary", "_body", "_document", "_header_value", "_limits", "output_options")
+
+    def __init__(
+        self,
+        body: bytes | bytearray,
+        header_length: str | None,
+        limits: RequestLimits | None = None,
+    ) -> None:
+        self._body = body
+        self._header_value = header_length
+        self._limits = limits
+        self._document: dict[str, Any] | None = None
+        self._binary: memoryview | None = None
+        self.output_options = OutputOptions({})
+
+    def _parsed(self) -> dict[str, Any]:
+        if self._document is None:
+            self._document, self._binary = _split_body(
+                self._body, parse_header_length(self._header_value)
+            )
+        return self._document
+
+    def request_id(self) -> str | None:
+        """The request's ``id``, or None.
+
+        Raises:
+            InvalidInputError: a bad header length, malformed JSON, or an id not a string.
+        """
+        return _request_id(self._parsed())
+
+    def decode(
+        self, config: ModelConfig, model_name: str, model_version: str | None
+    ) -> InferenceRequest:
+        """Validate the request against ``config``; see :func:`decode_infer_request`."""
+        decoded = _decode_document(
+            self._parsed(), self._binary, config, model_name, model_version, self._limits
+        )
+        self.output_options = decoded.output_options
+        return decoded.request
+
+
+def _split_body(
+    body: bytes | bytearray, header_length: int | None
+) -> tuple[dict[str, Any], memoryview | None]:
+    """The JSON header as a document, and the binary part after it (None without a header
+    length)."""
+    size = len(body)
+    if header_length is None:
+        return parse_json_header(body, None, size), None
+    if header_length > size:
+        raise InvalidInputError(
+            f"{HEADER_LENGTH_HEADER} {header_length} exceeds the request body size {size}"
+        )
+    header = body if header_length == size else body[:header_length]
+    binary = memoryview(body).toreadonly()[header_length:]
+    return parse_json_header(header, header_length, size), binary
+
+
+def _request_id(document: dict[str, Any]) -> str | None:
+    request_id = document.get("id")
+    if request_id is not None and type(request_id) is not str:
+        raise InvalidInputError(f"request 'id' must be a string, got {show(request_id)}")
+    return request_id
+
+
 def decode_infer_request(
     body: bytes | bytearray,
     header_length: int | None,
@@ -223,19 +306,18 @@ def decode_infer_request(
         InvalidInputError: anything wrong with the body; the message names the field, the
             value received and what is expected.
     """
-    size = len(body)
-    if header_length is None:
-        header = body
-        binary: memoryview | None = None
-    else:
-        if header_length > size:
-            raise InvalidInputError(
-                f"{HEADER_LENGTH_HEADER} {header_length} exceeds the request body size {size}"
-            )
-        header = body if header_length == size else body[:header_length]
-        binary = memoryview(body).toreadonly()[header_length:]
-    document = parse_json_header(header, header_length, size)
+    document, binary = _split_body(body, header_length)
+    return _decode_document(document, binary, config, model_name, model_version, limits)
 
+
+def _decode_document(
+    document: dict[str, Any],
+    binary: memoryview | None,
+    config: ModelConfig,
+    model_name: str,
+    model_version: str | None,
+    limits: RequestLimits | None,
+) -> DecodedRequest:
     inputs = document.get("inputs")
     if type(inputs) is not list:
         if inputs is None:
@@ -336,9 +418,7 @@ def decode_infer_request(
         raise InvalidInputError(f"{extra} unexpected bytes after {where}")
     validate_request_shapes({name: array.shape for name, array in arrays.items()}, config)
 
-    request_id = document.get("id")
-    if request_id is not None and type(request_id) is not str:
-        raise InvalidInputError(f"request 'id' must be a string, got {show(request_id)}")
+    request_id = _request_id(document)
     params = document.get("parameters")
     if params is None:
         params = {}

@@ -20,15 +20,16 @@ import signal
 import ssl
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from gpuserve.config import ServerConfig
 from gpuserve.metrics import MetricsHttpServer, ServerMetrics
 from gpuserve.repository.devices import freeze_loaded_objects
-from gpuserve.repository.manager import ModelManager
 from gpuserve.server import logs
 from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
 from gpuserve.server.http.connection import HttpListener
+from gpuserve.service.inference import InferenceService
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def _ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
 
 
 class GpuServer:
-    """The whole server process: model manager, HTTP and gRPC front ends, metrics endpoint.
+    """The whole server process: the inference service, HTTP and gRPC front ends on it, and
+    the metrics endpoint.
 
     Args:
         config: Server settings.
@@ -77,11 +79,11 @@ class GpuServer:
         # between fixed-size ones, so batches of changing shapes fragment device memory less.
         # Set before any CUDA allocation; a value the operator set wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        self.manager = ModelManager.from_config(config)
-        self.metrics = ServerMetrics(self.manager)
-        self.manager.version_listeners.append(self.metrics.watch_version)
+        self.service = InferenceService.from_config(config)
+        assert self.service.metrics is not None
+        self.metrics: ServerMetrics = self.service.metrics
         self.metrics_server: MetricsHttpServer | None = None
-        self.app = HttpApp(self.manager, config, metrics=self.metrics)
+        self.app = HttpApp(self.service, config)
         self.http = HttpListener(
             self.app,
             max_header_bytes=config.max_header_bytes,
@@ -148,7 +150,7 @@ class GpuServer:
             self.metrics_server = MetricsHttpServer(self.metrics.registry, self.config.host, port)
             self.metrics_server.start()
         if self.config.grpc_port >= 0:  # on this loop; a bind failure fails startup
-            self.grpc = GrpcServer(self.manager, self.config, self.metrics)
+            self.grpc = GrpcServer(self.service, self.config)
             await self.grpc.start()
         await self.http.start(self.config.host, self.config.http_port, _ssl_context(self.config))
         logger.info("loading models from %s", self.config.model_repository)
@@ -156,10 +158,10 @@ class GpuServer:
 
     async def _load(self) -> None:
         try:
-            await self.manager.load_all()
+            await self.service.load_all()
         except Exception:
             logger.exception("model repository could not be loaded")
-            self.manager.initial_load_done = True
+            self.service.initial_load_failed()
         finally:
             freeze_loaded_objects()
             self.loaded.set()
@@ -176,14 +178,20 @@ class GpuServer:
         )
         if self._load_task is not None and not self._load_task.done():
             await self._load_task
-        closing = [self.manager.close(self.config.shutdown_timeout_s)]
+        closing = [self.service.close(self.config.shutdown_timeout_s)]
         if self.grpc is not None:  # new gRPC calls are refused at once; running ones finish
             closing.append(self.grpc.stop(self.config.shutdown_timeout_s))
         await asyncio.gather(*closing)
         if self.metrics_server is not None:
             self.metrics_server.stop()
-        self.metrics.close()
+        self.service.release()
         logger.info("shutdown complete")
+
+    @property
+    def manager(self) -> Any:
+        """The service's model manager (tests and tools inspect it; front ends go through
+        the service)."""
+        return self.service.manager
 
     @property
     def port(self) -> int:
@@ -216,7 +224,7 @@ class GpuServer:
             self._exit_now()
             return
         self._stopping = True
-        self.manager.shutting_down = True  # ready -> 503, new requests -> 503 at once
+        self.service.begin_shutdown()  # ready -> 503, new requests -> 503 at once
         self._stop_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
 
     def _exit_now(self) -> None:
@@ -228,8 +236,8 @@ class GpuServer:
         logger.info(
             "stopping: refusing new requests, finishing admitted ones (up to %.0f s)", timeout_s
         )
-        if not await self.manager.wait_idle(timeout_s):
+        if not await self.service.wait_idle(timeout_s):
             # Queued requests get 503 now, before the process exits; running batches finish.
             logger.warning("stopping: requests left after %.1f s: refusing them", timeout_s)
-            await self.manager.close(0.0)
+            await self.service.close(0.0)
         self._exit_now()

@@ -20,6 +20,8 @@ STATUS: dict[type[errors.GpuserveError], tuple[int, str]] = {
     errors.OutOfMemoryError: (503, "RESOURCE_EXHAUSTED"),
     errors.BackendError: (500, "INTERNAL"),
     errors.ConfigError: (400, "INVALID_ARGUMENT"),
+    errors.UnauthenticatedError: (401, "UNAUTHENTICATED"),
+    errors.PermissionDeniedError: (403, "PERMISSION_DENIED"),
 }
 
 

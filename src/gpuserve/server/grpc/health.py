@@ -1,7 +1,7 @@
 """The standard gRPC health service (``grpc.health.v1.Health``), answering server readiness.
 
 The overall service ``""`` and ``inference.GRPCInferenceService`` are SERVING exactly when
-``/v2/health/ready`` answers 200 (:meth:`ModelManager.is_ready`), NOT_SERVING otherwise, so a
+``/v2/health/ready`` answers 200 (:meth:`InferenceService.is_ready`), NOT_SERVING otherwise, so a
 Kubernetes ``grpc`` readiness probe and the HTTP probe agree. Other service names are
 NOT_FOUND (``Check``) or SERVICE_UNKNOWN (``Watch``), as the health protocol specifies.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpuserve.repository.manager import ModelManager
+from gpuserve.service.inference import InferenceService
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -23,18 +23,21 @@ SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
-    """Health answered from the manager's readiness at the moment of the call.
+    """Health answered from the server's readiness at the moment of the call.
 
     Args:
-        manager: The model manager whose readiness is reported.
+        service: The inference service whose readiness is reported.
         services: Service names reported (besides ``""``, the server as a whole).
         watch_interval_s: How often a ``Watch`` stream re-reads readiness, seconds.
     """
 
     def __init__(
-        self, manager: ModelManager, services: tuple[str, ...], watch_interval_s: float = 0.5
+        self,
+        service: InferenceService,
+        services: tuple[str, ...],
+        watch_interval_s: float = 0.5,
     ) -> None:
-        self.manager = manager
+        self.service = service
         self.services = frozenset(("", *services))
         self.watch_interval_s = watch_interval_s
 
@@ -42,7 +45,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         """The ``ServingStatus`` of ``service`` now."""
         if service not in self.services:
             return SERVICE_UNKNOWN
-        return SERVING if self.manager.is_ready() else NOT_SERVING
+        return SERVING if self.service.is_ready() else NOT_SERVING
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: Any

@@ -1,10 +1,10 @@
-"""Protobuf views of the server's state: model metadata, configuration, statistics, index.
+"""Protobuf encodings of the service's read views: metadata, configuration, statistics, index.
 
-The gRPC twins of the JSON bodies that :mod:`gpuserve.server.http.app` returns, with the same
-content. The model configuration is returned as Triton's ``inference.ModelConfig`` (the fields
-gpuserve has an equivalent for: name, platform/backend, max_batch_size, inputs and outputs with
-``TYPE_*`` datatypes and dims, dynamic batching and its queue policy, instance groups, version
-policy, CUDA graphs, parameters).
+The HTTP front end encodes the same views (:mod:`gpuserve.service.views`) as JSON, so both
+carry the same content. The model configuration is returned as Triton's
+``inference.ModelConfig`` (the fields gpuserve has an equivalent for: name, platform/backend,
+max_batch_size, inputs and outputs with ``TYPE_*`` datatypes and dims, dynamic batching and
+its queue policy, instance groups, version policy, CUDA graphs, parameters).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import orjson
 
-from gpuserve.config import ModelConfig
 from gpuserve.engine.stats import Duration, ModelStats
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import model_config_pb2 as mc
-from gpuserve.server.http.app import _PLATFORM as PLATFORM  # one table for both front ends
+from gpuserve.server.security import Redactor
+from gpuserve.service.views import IndexRow, ModelConfigView, ModelMetadata, ServerMetadata
 
 #: V2 datatype -> Triton's model-configuration ``DataType`` (BYTES is ``TYPE_STRING``).
 CONFIG_DATATYPE: dict[str, mc.DataType] = {
@@ -42,20 +42,22 @@ _KIND = {
 }
 
 
-def model_metadata(name: str, versions: list[str], config: ModelConfig) -> pb.ModelMetadataResponse:
+def server_metadata(view: ServerMetadata) -> pb.ServerMetadataResponse:
+    """``ServerMetadataResponse``: name, release and extensions."""
+    return pb.ServerMetadataResponse(
+        name=view.name, version=view.version, extensions=view.extensions
+    )
+
+
+def model_metadata(view: ModelMetadata) -> pb.ModelMetadataResponse:
     """``ModelMetadataResponse``: shapes with ``-1`` for the batch dimension when batching."""
-    batch = [-1] if config.max_batch_size else []
     Tensor = pb.ModelMetadataResponse.TensorMetadata
     return pb.ModelMetadataResponse(
-        name=name,
-        versions=versions,
-        platform=PLATFORM.get(config.backend, config.backend),
-        inputs=[
-            Tensor(name=t.name, datatype=t.datatype, shape=batch + t.shape) for t in config.inputs
-        ],
-        outputs=[
-            Tensor(name=t.name, datatype=t.datatype, shape=batch + t.shape) for t in config.outputs
-        ],
+        name=view.name,
+        versions=view.versions,
+        platform=view.platform,
+        inputs=[Tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in view.inputs],
+        outputs=[Tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in view.outputs],
     )
 
 
@@ -63,8 +65,9 @@ def _parameter_text(value: Any) -> str:
     return value if isinstance(value, str) else orjson.dumps(value).decode()
 
 
-def model_config(name: str, config: ModelConfig) -> mc.ModelConfig:
-    """Triton's ``ModelConfig`` message for ``config``."""
+def model_config(view: ModelConfigView) -> mc.ModelConfig:
+    """Triton's ``ModelConfig`` message for the configuration a model is served with."""
+    name, config = view.name, view.config
     db = config.dynamic_batching
     policy = config.version_policy
     if policy.all is not None:
@@ -80,7 +83,7 @@ def model_config(name: str, config: ModelConfig) -> mc.ModelConfig:
         )
     return mc.ModelConfig(
         name=name,
-        platform=PLATFORM.get(config.backend, config.backend),
+        platform=view.platform,
         backend=config.backend,
         version_policy=version_policy,
         max_batch_size=config.max_batch_size,
@@ -157,13 +160,16 @@ def model_statistics(stats: ModelStats) -> pb.ModelStatistics:
     )
 
 
-def repository_index(rows: list[dict[str, Any]]) -> pb.RepositoryIndexResponse:
-    """``RepositoryIndexResponse`` from :meth:`ModelManager.index` rows."""
+def repository_index(rows: list[IndexRow], redactor: Redactor) -> pb.RepositoryIndexResponse:
+    """``RepositoryIndexResponse`` from the index view (reasons without file paths)."""
     Index = pb.RepositoryIndexResponse.ModelIndex
     return pb.RepositoryIndexResponse(
         models=[
             Index(
-                name=row["name"], version=row["version"], state=row["state"], reason=row["reason"]
+                name=row.name,
+                version=row.version,
+                state=row.state,
+                reason=redactor.text(row.reason),
             )
             for row in rows
         ]

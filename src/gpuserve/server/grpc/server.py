@@ -17,11 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from gpuserve.config import ServerConfig
-from gpuserve.metrics import ServerMetrics
-from gpuserve.repository.manager import ModelManager
 from gpuserve.server.grpc.auth import TokenInterceptor
 from gpuserve.server.grpc.health import HealthServicer
 from gpuserve.server.grpc.service import SERVICE_NAME, InferenceServicer, handlers
+from gpuserve.service.inference import InferenceService
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +52,15 @@ class GrpcServer:
     """Start and stop the gRPC front end.
 
     Args:
-        manager: The model manager requests are routed to.
+        service: The inference service the calls go to.
         config: Server settings (``host``, ``grpc_port``; 0 picks a free port).
-        metrics: The server's metrics (see :class:`InferenceServicer`), if any.
     """
 
-    def __init__(
-        self, manager: ModelManager, config: ServerConfig, metrics: ServerMetrics | None = None
-    ) -> None:
-        self.manager = manager
+    def __init__(self, service: InferenceService, config: ServerConfig) -> None:
+        self.service = service
         self.config = config
         self.port: int | None = None
-        self.servicer = InferenceServicer(manager, config, metrics)
+        self.servicer = InferenceServicer(service, config)
         self._server: grpc.aio.Server | None = None
 
     async def start(self) -> int:
@@ -90,7 +86,7 @@ class GrpcServer:
         )
         server.add_registered_method_handlers(SERVICE_NAME, methods)
         health_pb2_grpc.add_HealthServicer_to_server(
-            HealthServicer(self.manager, (SERVICE_NAME,)), server
+            HealthServicer(self.service, (SERVICE_NAME,)), server
         )
         address = bind_address(self.config.host, self.config.grpc_port)
         try:

@@ -1,8 +1,9 @@
-"""KServe V2 ``inference.GRPCInferenceService`` on grpc.aio: the gRPC twin of the HTTP app.
+"""KServe V2 ``inference.GRPCInferenceService`` on grpc.aio: an adapter on the inference service.
 
-Every call answers what the matching HTTP endpoint of :mod:`gpuserve.server.http.app`
-answers, with the same error messages; errors map to gRPC status codes through the one table
-in :mod:`gpuserve.server.status`. No stack trace ever reaches a client.
+Every call answers from the same :class:`~gpuserve.service.inference.InferenceService` call as
+the matching HTTP endpoint, so both carry the same content and error messages; errors map to
+gRPC status codes through the one table in :mod:`gpuserve.server.status`. No stack trace ever
+reaches a client.
 
 * ``ModelInfer`` returns every output in ``raw_output_contents``, and the request's timing in
   trailing metadata (``x-queue-time-us``, ``x-compute-time-us``, ``x-total-time-us``; see
@@ -15,10 +16,10 @@ in :mod:`gpuserve.server.status`. No stack trace ever reaches a client.
   model's scheduler as it arrives (so they batch with each other and with other traffic) and
   its response is written as soon as it is ready, carrying the request's id. A failed request
   gets a response whose ``error_message`` says why; the stream goes on.
-* ``RepositoryModelLoad`` / ``RepositoryModelUnload`` go through the HTTP front end's
-  repository API (:mod:`gpuserve.server.http.repository`): the same checks and behaviour, the
-  management token read from the ``authorization`` metadata (UNAUTHENTICATED without it,
-  PERMISSION_DENIED when management is disabled).
+* ``RepositoryModelLoad`` / ``RepositoryModelUnload`` call the service's typed repository
+  commands, as the HTTP front end does: the same checks and behaviour, the management token
+  read from the ``authorization`` metadata (UNAUTHENTICATED without it, PERMISSION_DENIED when
+  management is disabled).
 * Messages leave without file paths outside the repository-relative part, and model names and
   version labels are checked as over HTTP (:mod:`gpuserve.server.security`); the API token is
   checked by :mod:`gpuserve.server.grpc.auth` before a handler runs.
@@ -34,38 +35,27 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-import orjson
 from google.protobuf.message import DecodeError
 
-import gpuserve
 from gpuserve.config import ServerConfig
 from gpuserve.engine.request import RequestTiming
-from gpuserve.engine.stats import RequestStats
-from gpuserve.errors import (
-    GpuserveError,
-    InvalidInputError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    OverloadedError,
-    UnavailableError,
-)
-from gpuserve.metrics import ServerMetrics
-from gpuserve.protocol.grpc_codec import decode_infer_request, encode_infer_response
+from gpuserve.errors import GpuserveError, InvalidInputError
+from gpuserve.protocol.grpc_codec import GrpcInferMessage, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import grpc_service_pb2_grpc as pb_grpc
-from gpuserve.repository.manager import Model, ModelManager, ModelVersion
 from gpuserve.server.grpc import messages
 from gpuserve.server.grpc.access import log_call
-from gpuserve.server.http.repository import ManagementDenied, RepositoryApi
-from gpuserve.server.security import Redactor, check_model_name, check_version_label
+from gpuserve.server.security import Redactor, bearer_token, check_model_name
 from gpuserve.server.status import grpc_code
 from gpuserve.server.timing import timing_metadata
+from gpuserve.service.commands import config_from_json
+from gpuserve.service.constants import retry_after_s
+from gpuserve.service.inference import InferenceService
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "inference.GRPCInferenceService"
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_configuration", "model_repository"]
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -125,15 +115,6 @@ def handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
     return result
 
 
-class RpcAbort(Exception):
-    """End the call with a status that no GpuserveError maps to (UNAUTHENTICATED, ...)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def status_code(error: GpuserveError) -> grpc.StatusCode:
     """The gRPC status code of ``error`` (from the table in :mod:`gpuserve.server.status`)."""
     return grpc.StatusCode[grpc_code(error)]
@@ -145,16 +126,17 @@ async def abort(
     """End the call with ``error``'s status code and message (without file paths when a
     ``redactor`` is given)."""
     trailing: tuple[tuple[str, str], ...] = ()
-    if isinstance(error, OverloadedError):
-        trailing = (("retry-after", str(max(1, round(error.retry_after_s)))),)
+    retry = retry_after_s(error)
+    if retry is not None:
+        trailing = (("retry-after", str(retry)),)
     message = redactor.text(error.message) if redactor is not None else error.message
     await context.abort(status_code(error), message, trailing_metadata=trailing)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
 def unary(method: Handler[Request, Response]) -> Handler[Request, Response]:
-    """Wrap a unary handler: GpuserveError -> its status, RpcAbort -> its code, anything else
-    -> INTERNAL (logged); one access-log line per call."""
+    """Wrap a unary handler: GpuserveError -> its status, anything else -> INTERNAL (logged);
+    one access-log line per call."""
 
     @functools.wraps(method)
     async def handler(self: Any, request: Request, context: grpc.aio.ServicerContext) -> Response:
@@ -173,9 +155,6 @@ def unary(method: Handler[Request, Response]) -> Handler[Request, Response]:
         except GpuserveError as err:
             log(grpc_code(err))
             await abort(context, err, getattr(self, "redactor", None))
-        except RpcAbort as err:
-            log(err.code.name)
-            await context.abort(err.code, err.message)
         except asyncio.CancelledError:
             log("CANCELLED")
             raise
@@ -191,22 +170,18 @@ def unary(method: Handler[Request, Response]) -> Handler[Request, Response]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """The V2 inference service over a :class:`ModelManager`.
+    """The V2 inference service over an :class:`InferenceService`.
 
     Args:
-        manager: The model manager requests are routed to.
+        service: The inference service (admission, views, repository commands).
         config: Server settings.
-        metrics: Counts requests refused before they reach a model version (unknown model
-            or version, model not ready); the rest are counted from the engine's statistics.
     """
 
-    def __init__(
-        self, manager: ModelManager, config: ServerConfig, metrics: ServerMetrics | None = None
-    ) -> None:
-        self.manager = manager
+    def __init__(self, service: InferenceService, config: ServerConfig) -> None:
+        self.service = service
+        self.views = service.views
+        self.commands = service.repository
         self.config = config
-        self.metrics = metrics
-        self.repository = RepositoryApi(manager, config)
         self.access_log = config.access_log
         self.redactor = Redactor(config.model_repository)
         self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
@@ -223,77 +198,55 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: Any
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.manager.is_ready())
+        return pb.ServerReadyResponse(ready=self.views.server_ready())
 
     @unary
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: Any
     ) -> pb.ModelReadyResponse:
-        try:
-            check_version_label(request.name, request.version or None)
-            self.manager.version(request.name, request.version or None)
-        except ModelNotFoundError:
-            raise
-        except GpuserveError:
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=True)
+        view = self.views.model_ready(request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=view.ready)
 
     @unary
     async def ServerMetadata(
         self, request: pb.ServerMetadataRequest, context: Any
     ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(
-            name="gpuserve", version=gpuserve.__version__, extensions=EXTENSIONS
-        )
+        return messages.server_metadata(self.views.server_metadata())
 
     @unary
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Any
     ) -> pb.ModelMetadataResponse:
-        model, versions = self._lookup(request.name, request.version or None)
-        config = self._config_of(model)
-        return messages.model_metadata(model.name, [str(mv.version) for mv in versions], config)
+        return messages.model_metadata(
+            self.views.model_metadata(request.name, request.version or None)
+        )
 
     @unary
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: Any
     ) -> pb.ModelConfigResponse:
-        model, _ = self._lookup(request.name, request.version or None)
-        return pb.ModelConfigResponse(
-            config=messages.model_config(model.name, self._config_of(model))
-        )
+        view = self.views.model_config(request.name, request.version or None)
+        return pb.ModelConfigResponse(config=messages.model_config(view))
 
     @unary
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Any
     ) -> pb.ModelStatisticsResponse:
-        if request.name:
-            _, versions = self._lookup(request.name, request.version or None)
-        else:
-            versions = [mv for m in self.manager.models.values() for mv in m.versions.values()]
-        return pb.ModelStatisticsResponse(
-            model_stats=[
-                messages.model_statistics(mv.scheduler.stats)
-                for mv in versions
-                if mv.scheduler is not None
-            ]
-        )
+        stats = self.views.statistics(request.name or None, request.version or None)
+        return pb.ModelStatisticsResponse(model_stats=[messages.model_statistics(s) for s in stats])
 
     @unary
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any
     ) -> pb.RepositoryIndexResponse:
-        rows = [
-            {**row, "reason": self.redactor.text(row["reason"])}
-            for row in self.manager.index(request.ready)
-        ]
-        return messages.repository_index(rows)
+        rows = self.commands.index(request.ready)
+        return messages.repository_index(rows, self.redactor)
 
     @unary
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
-        body: dict[str, Any] = {}
+        config: dict[str, Any] | None = None
         for key, value in request.parameters.items():
             if key == "config":
                 if value.WhichOneof("parameter_choice") != "string_param":
@@ -301,96 +254,43 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         "parameter 'config' must be a string_param holding the model "
                         "configuration as JSON"
                     )
-                body = {"parameters": {"config": value.string_param}}
+                config = config_from_json(value.string_param)
             elif key.startswith("file:"):
                 raise InvalidInputError(
                     f"parameter {key!r}: model files in a load request are not supported; "
                     "put them in the model repository"
                 )
-        await self._manage("load", request.model_name, body, context)
+        check_model_name(request.model_name)
+        self.commands.authorize_change(_bearer(context))
+        await self.commands.load(request.model_name, config)
         return pb.RepositoryModelLoadResponse()
 
     @unary
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelUnloadResponse:
-        await self._manage("unload", request.model_name, {}, context)
+        check_model_name(request.model_name)
+        self.commands.authorize_change(_bearer(context))
+        await self.commands.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
-
-    async def _manage(
-        self, action: str, name: str, body: dict[str, Any], context: grpc.aio.ServicerContext
-    ) -> None:
-        """Run a repository action through the HTTP front end's repository API, so both
-        protocols share its checks (management disabled, bearer token in the ``authorization``
-        metadata) and behaviour."""
-        check_model_name(name)
-        headers = [
-            (key.encode(), value if isinstance(value, bytes) else value.encode())
-            for key, value in context.invocation_metadata() or ()
-        ]
-        try:
-            await self.repository.handle(
-                f"/v2/repository/models/{name}/{action}", headers, orjson.dumps(body)
-            )
-        except ManagementDenied as err:
-            code = (
-                grpc.StatusCode.UNAUTHENTICATED
-                if err.status == 401
-                else grpc.StatusCode.PERMISSION_DENIED
-            )
-            raise RpcAbort(code, err.message) from None
-
-    def _lookup(self, name: str, version: str | None) -> tuple[Model, list[ModelVersion]]:
-        check_version_label(name, version)
-        model = self.manager.model(name)
-        if version is None:
-            return model, list(model.versions.values())
-        if not version.isdigit() or int(version) not in model.versions:
-            raise ModelNotFoundError(
-                f"model '{name}' has no version '{version}' (versions: {sorted(model.versions)})"
-            )
-        return model, [model.versions[int(version)]]
-
-    def _config_of(self, model: Model) -> Any:
-        if model.config is None:
-            raise ModelNotReadyError(f"model '{model.name}' is not ready: {model.error}")
-        return model.config
 
     # -- inference -------------------------------------------------------------------------
 
     async def _infer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> tuple[pb.ModelInferResponse, RequestTiming]:
-        """Decode, queue, run and encode one request (errors propagate as GpuserveError)."""
-        name = request.model_name
-        version = request.model_version or None
-        try:
-            check_version_label(name, version)
-            mv = self.manager.version(name, version)
-        except GpuserveError as err:
-            if self.metrics is not None:
-                self.metrics.record_unrouted(name, version, err.reason)
-            raise
-        scheduler = mv.scheduler
-        assert scheduler is not None
-        try:
-            decoded = decode_infer_request(request, mv.config, name, version, self.limits)
-            if self.manager.shutting_down:
-                raise UnavailableError("server is shutting down; retry on another replica")
-        except GpuserveError as err:  # counted here: it never reaches the scheduler
-            scheduler.stats.record_request(
-                RequestStats(name, scheduler.version, 0, 0.0, 0.0, 0.0, err.reason)
-            )
-            raise
-        if version is None:  # a canary may take this request (by a hash of its id)
-            routed = self.manager.split(mv, decoded.id)
-            if routed is not mv and routed.scheduler is not None:
-                mv, scheduler = routed, routed.scheduler
-        # The handler task is cancelled when the client goes away (the scheduler then drops the
-        # queued request); the probe also catches a client gone just before its batch forms.
-        decoded.is_cancelled = context.cancelled
-        response = await scheduler.infer(decoded)
-        return encode_infer_response(response, mv.config), response.timing
+        """Admit, queue, run and encode one request (errors propagate as GpuserveError).
+        The handler task is cancelled when the client goes away (the scheduler then drops
+        the queued request); the probe also catches a client gone just before its batch
+        forms."""
+        admission = self.service.admit(
+            request.model_name,
+            request.model_version or None,
+            GrpcInferMessage(request, self.limits),
+            context.cancelled,
+        )
+        response = await self.service.run(admission)
+        return encode_infer_response(response, admission.config), response.timing
 
     @unary
     async def ModelInfer(
@@ -462,4 +362,12 @@ def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStream
         infer_response=pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         ),
+    )
+
+
+def _bearer(context: grpc.aio.ServicerContext) -> bytes | None:
+    """The bearer token of the call's ``authorization`` metadata, or None."""
+    return bearer_token(
+        (key.encode(), value if isinstance(value, bytes) else value.encode())
+        for key, value in context.invocation_metadata() or ()
     )

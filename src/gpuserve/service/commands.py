@@ -1,0 +1,197 @@
+"""Typed repository commands: load, unload, rollback, canary, trace; and who may call them.
+
+Every front end calls these directly with already-parsed arguments (no front end builds
+another's paths or bodies). The changing commands are off unless management is enabled
+(:attr:`~gpuserve.config.ServerConfig.management_enabled`; :class:`PermissionDeniedError`
+otherwise) and need the management token when one is set, else the API token when one is set
+(:class:`UnauthenticatedError` without it). The read-only ones (index, status) take either
+token. Each changing command answers the model's status view afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gpuserve.config import ServerConfig
+from gpuserve.errors import InvalidInputError, PermissionDeniedError, UnauthenticatedError
+from gpuserve.repository.manager import ModelManager
+from gpuserve.service.auth import Tokens
+from gpuserve.service.names import check_model_name, check_override_paths
+from gpuserve.service.views import IndexRow, ModelStatusView, TraceView, Views
+
+logger = logging.getLogger(__name__)
+
+_DISABLED = (
+    "model management is disabled on this server (enable it with "
+    "--enable-management or --management-token; --model-control-mode explicit "
+    "or poll enables it too, unless --disable-management)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryRequest:
+    """``weight`` (0..1) of the unversioned requests of a model go to ``version``."""
+
+    version: int
+    weight: float
+
+
+def config_from_json(config: Any) -> dict[str, Any]:
+    """A load request's configuration (a JSON string, or an already parsed object) as a dict.
+
+    Raises:
+        InvalidInputError: not JSON, or not a JSON object.
+    """
+    if isinstance(config, str):
+        try:
+            config = orjson.loads(config)
+        except orjson.JSONDecodeError as err:
+            raise InvalidInputError(
+                f"parameter 'config' is not valid JSON: {err} (expected the model "
+                "configuration as a JSON string)"
+            ) from None
+    if not isinstance(config, dict):
+        raise InvalidInputError(
+            f"parameter 'config' must be a JSON object, got {type(config).__name__}"
+        )
+    return config
+
+
+class RepositoryCommands:
+    """The model repository's commands over the model manager.
+
+    Args:
+        manager: The model manager the commands act on.
+        views: Builds the status views the commands answer.
+        config: Whether management is enabled, the tokens, the trace directory.
+    """
+
+    def __init__(self, manager: ModelManager, views: Views, config: ServerConfig) -> None:
+        self.manager = manager
+        self.views = views
+        self.disabled = not config.management_enabled
+        self.tokens = Tokens(config)
+        self.trace_dir = config.trace_dir
+
+    # -- authorization ---------------------------------------------------------------------
+
+    def authorize_read(self, token: bytes | None) -> None:
+        """Allow a read-only repository call (index, status) with bearer ``token``.
+
+        Raises:
+            UnauthenticatedError: an API token is set and ``token`` is neither token.
+        """
+        if not self.tokens.read_token_ok(token):
+            raise UnauthenticatedError(
+                "this endpoint needs 'Authorization: Bearer <API or management token>'"
+            )
+
+    def authorize_change(self, token: bytes | None) -> None:
+        """Allow a changing call (load, unload, rollback, canary, trace) with ``token``.
+
+        Raises:
+            PermissionDeniedError: management is disabled.
+            UnauthenticatedError: ``token`` is not the token management needs.
+        """
+        if self.disabled:
+            raise PermissionDeniedError(_DISABLED)
+        if not self.tokens.management_token_ok(token):
+            which = "management" if self.tokens.management is not None else "API"
+            raise UnauthenticatedError(
+                f"model management needs 'Authorization: Bearer <{which} token>'"
+            )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def index(self, ready_only: bool = False) -> list[IndexRow]:
+        """The repository index (every model version and its state)."""
+        return self.views.index(ready_only)
+
+    def status(self, name: str) -> ModelStatusView:
+        """Model ``name``'s routing and versions.
+
+        Raises:
+            InvalidInputError: not a plain model name.
+            ModelNotFoundError: no such model.
+        """
+        check_model_name(name)
+        return self.views.model_status(name)
+
+    # -- changing --------------------------------------------------------------------------
+
+    async def load(self, name: str, config: dict[str, Any] | None = None) -> ModelStatusView:
+        """Load or reload ``name`` (explicit mode), with ``config`` (the model configuration
+        as a JSON object) in place of its ``config.yaml`` when given.
+
+        Raises:
+            InvalidInputError: a bad name or a configuration pointing outside the model.
+            GpuserveError: what :meth:`ModelManager.load` raises.
+        """
+        check_model_name(name)
+        if config is not None:
+            check_override_paths(config)
+        await self.manager.load(name, config)
+        return self._changed("load", name)
+
+    async def unload(self, name: str) -> ModelStatusView:
+        """Drain and unload every version of ``name`` (explicit mode)."""
+        check_model_name(name)
+        await self.manager.unload(name)
+        return self._changed("unload", name)
+
+    async def rollback(self, name: str) -> ModelStatusView:
+        """Serve the previously served version of ``name`` again."""
+        check_model_name(name)
+        await self.manager.rollback(name)
+        return self._changed("rollback", name)
+
+    async def set_canary(self, name: str, canary: CanaryRequest) -> ModelStatusView:
+        """Send ``canary.weight`` of ``name``'s unversioned requests to ``canary.version``.
+
+        Raises:
+            InvalidInputError: a weight outside 0..1 (the message names the field).
+            GpuserveError: what :meth:`ModelManager.set_canary` raises.
+        """
+        check_model_name(name)
+        await self.manager.set_canary(name, canary.version, canary.weight)
+        return self._changed("canary", name)
+
+    async def promote_canary(self, name: str) -> ModelStatusView:
+        """Make ``name``'s canary its default version."""
+        check_model_name(name)
+        await self.manager.promote_canary(name)
+        return self._changed("canary/promote", name)
+
+    async def abort_canary(self, name: str) -> ModelStatusView:
+        """End ``name``'s canary."""
+        check_model_name(name)
+        await self.manager.abort_canary(name)
+        return self._changed("canary/abort", name)
+
+    def trace(self, name: str, batches: int) -> TraceView:
+        """Profile the next ``batches`` (1..1000) batches of the version serving ``name``
+        with ``torch.profiler`` into a new folder of the trace directory.
+
+        Raises:
+            InvalidInputError: ``batches`` out of range.
+            ModelNotFoundError / ModelNotReadyError: nothing serves ``name``.
+        """
+        check_model_name(name)
+        if not 1 <= batches <= 1000:
+            raise InvalidInputError(
+                f"field 'batches': expected an integer 1..1000, got {batches!r}"
+            )
+        scheduler = self.manager.scheduler(name, None)
+        directory = self.trace_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        scheduler.start_trace(batches, directory)
+        logger.info("repository API: trace %s for %d batch(es) into %s", name, batches, directory)
+        return TraceView(name, scheduler.version, batches, directory.name)
+
+    def _changed(self, action: str, name: str) -> ModelStatusView:
+        logger.info("repository API: %s %s", action, name)
+        return self.views.model_status(name)

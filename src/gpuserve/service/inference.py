@@ -1,0 +1,235 @@
+"""The inference service: the one admission path under every front end.
+
+A front end turns its wire into a :class:`WireRequest` (an object that can tell the request's
+id cheaply and decode the rest against a configuration) and calls :meth:`InferenceService.admit`,
+which runs admission once, in this order:
+
+1. resolve the model and version (unknown -> ``ModelNotFoundError``, not serving ->
+   ``ModelNotReadyError``; counted as refused before any version took them);
+2. split to the canary by the request id, **before** decoding, for requests naming no version;
+3. decode against the routed version's configuration (a canary may be served with another
+   ``max_batch_size`` than the default version: requests are held to the version that takes
+   them), counted on that version when it fails;
+4. refuse new work while the server shuts down (503);
+5. install the front end's cancellation probe (a queued request whose client went away is
+   dropped before it runs).
+
+Then :meth:`InferenceService.submit` queues it without a task (the HTTP front end answers from
+the future's done callback) or :meth:`InferenceService.run` awaits it (gRPC handlers; cancelling
+the awaiting task takes the request out of the queue). Statistics and Prometheus series of the
+requests a version took are recorded by its scheduler; refusals before that are recorded here,
+so every request is counted once, and :func:`~gpuserve.service.outcome.log_access` writes the
+access line of every answer.
+
+Nothing here knows HTTP or protobuf: signatures carry names, typed requests and callables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gpuserve.config import ModelConfig, ServerConfig
+from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.stats import RequestStats
+from gpuserve.errors import GpuserveError, UnavailableError
+from gpuserve.metrics import ServerMetrics
+from gpuserve.repository.manager import ModelManager
+from gpuserve.service.commands import RepositoryCommands
+from gpuserve.service.names import check_version_label
+from gpuserve.service.views import Views
+
+
+class WireRequest(Protocol):
+    """One inference request as a front end received it, not yet decoded.
+
+    Implemented by the protocol codecs (the HTTP body with its JSON header, the gRPC
+    ``ModelInferRequest``); the service calls :meth:`request_id` first (to route a canary),
+    then :meth:`decode` with the routed version's configuration.
+    """
+
+    def request_id(self) -> str | None:
+        """The client's request id, or None.
+
+        Raises:
+            InvalidInputError: the request cannot be read far enough to tell (malformed
+                JSON header, an id that is not a string).
+        """
+        ...
+
+    def decode(
+        self, config: ModelConfig, model_name: str, model_version: str | None
+    ) -> InferenceRequest:
+        """Validate the request against ``config`` and build the engine's request.
+
+        Raises:
+            InvalidInputError: names the field, the value received and what is expected.
+        """
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class Admission:
+    """A request the service admitted, and the version that takes it.
+
+    Attributes:
+        model: The model name.
+        version: The version that takes it (decimal string; the canary's when routed there).
+        config: That version's configuration (encode the response against it).
+        request: The decoded request (inputs as numpy arrays, batch dimension first).
+    """
+
+    model: str
+    version: str
+    config: ModelConfig
+    request: InferenceRequest
+    scheduler: ModelScheduler = field(repr=False)
+
+    @property
+    def rows(self) -> int:
+        """The request's rows (its batch dimension; 1 for a model without batching)."""
+        if not self.config.max_batch_size:
+            return 1
+        first = next(iter(self.request.inputs.values()), None)
+        return int(first.shape[0]) if first is not None and first.ndim else 1
+
+    def shapes(self) -> dict[str, list[int]]:
+        """Input name -> shape, for the access log."""
+        return {name: list(array.shape) for name, array in self.request.inputs.items()}
+
+
+class InferenceService:
+    """Admission, read views and repository commands over one model manager.
+
+    Args:
+        manager: The model manager requests are routed to.
+        config: Server settings (management, tokens, trace directory).
+        metrics: Counts requests refused before they reach a model version; None for none.
+    """
+
+    def __init__(
+        self, manager: ModelManager, config: ServerConfig, metrics: ServerMetrics | None = None
+    ) -> None:
+        self.manager = manager
+        self.config = config
+        self.metrics = metrics
+        self.views = Views(manager)
+        self.repository = RepositoryCommands(manager, self.views, config)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, *, with_metrics: bool = True) -> InferenceService:
+        """A service over a new model manager for ``config``, with Prometheus series fed by
+        every version it loads (unless ``with_metrics`` is False)."""
+        manager = ModelManager.from_config(config)
+        metrics = ServerMetrics(manager) if with_metrics else None
+        if metrics is not None:
+            manager.version_listeners.append(metrics.watch_version)
+        return cls(manager, config, metrics)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def admit(
+        self,
+        model: str,
+        version: str | None,
+        wire: WireRequest,
+        is_cancelled: Callable[[], bool] | None = None,
+    ) -> Admission:
+        """Resolve, route, decode and check one request (steps 1-5 of the module docstring).
+
+        Args:
+            model: The model name the client sent.
+            version: The version label it sent, or None for the default version.
+            wire: The undecoded request.
+            is_cancelled: Probe, True once the client has gone away.
+
+        Raises:
+            GpuserveError: why the request is refused (already counted).
+        """
+        try:
+            check_version_label(model, version)
+            mv = self.manager.version(model, version)
+        except GpuserveError as err:
+            self.record_unrouted(model, version, err.reason)
+            raise
+        scheduler = mv.scheduler
+        assert scheduler is not None
+        try:
+            if version is None:  # a canary may take it, by a hash of its id
+                routed = self.manager.split(mv, wire.request_id())
+                if routed is not mv and routed.scheduler is not None:
+                    mv, scheduler = routed, routed.scheduler
+            request = wire.decode(mv.config, model, version)
+            if self.manager.shutting_down:
+                raise UnavailableError("server is shutting down; retry on another replica")
+        except GpuserveError as err:  # counted here: it never reaches the scheduler
+            scheduler.stats.record_request(
+                RequestStats(model, scheduler.version, 0, 0.0, 0.0, 0.0, err.reason)
+            )
+            raise
+        request.is_cancelled = is_cancelled
+        return Admission(model, scheduler.version, mv.config, request, scheduler)
+
+    def submit(self, admission: Admission) -> asyncio.Future[InferenceResponse]:
+        """Queue an admitted request; its future resolves with the response or fails with
+        why (queue timeout, model failure, unloaded). No task is created.
+
+        Raises:
+            GpuserveError: refused at the queue (full, unknown priority, unloading).
+        """
+        return admission.scheduler.submit(admission.request)
+
+    async def run(self, admission: Admission) -> InferenceResponse:
+        """Queue an admitted request and wait for its response; cancelling the caller takes
+        it out of the queue if its batch has not formed.
+
+        Raises:
+            GpuserveError: as :meth:`submit`, and what its future fails with.
+        """
+        return await admission.scheduler.infer(admission.request)
+
+    def record_unrouted(self, model: str, version: str | None, reason: str) -> None:
+        """Count a request that failed before any model version took it (unknown model or
+        version, not ready, bad path, missing API token)."""
+        if self.metrics is not None:
+            self.metrics.record_unrouted(model, version, reason)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether new inference requests are refused (server stopping)."""
+        return self.manager.shutting_down
+
+    def begin_shutdown(self) -> None:
+        """Refuse new inference requests from now on; readiness turns false."""
+        self.manager.shutting_down = True
+
+    def is_ready(self) -> bool:
+        """Server readiness (see :meth:`ModelManager.is_ready`)."""
+        return self.manager.is_ready()
+
+    async def load_all(self) -> None:
+        """The initial model load (see :meth:`ModelManager.load_all`)."""
+        await self.manager.load_all()
+
+    def initial_load_failed(self) -> None:
+        """Mark the initial load as finished after it raised (readiness then follows the
+        models that loaded, if any)."""
+        self.manager.initial_load_done = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running; False after ``timeout_s`` seconds."""
+        return await self.manager.wait_idle(timeout_s)
+
+    async def close(self, drain_timeout_s: float) -> None:
+        """Drain every version (up to ``drain_timeout_s`` seconds) and unload."""
+        await self.manager.close(drain_timeout_s)
+
+    def release(self) -> None:
+        """Release what the metrics hold (NVML)."""
+        if self.metrics is not None:
+            self.metrics.close()
