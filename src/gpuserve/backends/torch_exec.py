@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ from gpuserve.config import ModelConfig
 from gpuserve.datatypes import numpy_dtype
 
 logger = logging.getLogger(__name__)
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 def batch_buckets(max_batch_size: int, preferred: Sequence[int] = ()) -> list[int]:
@@ -43,11 +45,16 @@ def batch_buckets(max_batch_size: int, preferred: Sequence[int] = ()) -> list[in
     return sorted(s for s in sizes if 0 < s <= max_batch_size)
 
 
-def quantize_linear_int8(module: torch.nn.Module) -> torch.nn.Module:
+def quantize_linear_int8(module: ModuleT) -> ModuleT:
     """Dynamic int8 quantisation of every ``nn.Linear``, with per-output-channel weight scales
     (per-tensor scales cost all-MiniLM-L6-v2 about 0.05 of cosine similarity; per-channel about
     0.02, see benchmarks/precision_accuracy.py). Activations are quantised per batch, at run
-    time. CPU kernels only."""
+    time. CPU kernels only.
+
+    Returns:
+        A quantised copy of ``module`` of the same class (``quantize_dynamic`` deep-copies the
+        module and swaps its ``nn.Linear`` children, never the module itself).
+    """
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     return quantize_dynamic(module, {torch.nn.Linear: per_channel_dynamic_qconfig})

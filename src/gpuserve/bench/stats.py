@@ -33,7 +33,9 @@ class Recorder:
     def __len__(self) -> int:
         return len(self.end_s)
 
-    def add(self, end_s: float, latency_s: float, status: str, queue_us: int, compute_us: int):
+    def add(
+        self, end_s: float, latency_s: float, status: str, queue_us: int, compute_us: int
+    ) -> None:
         self.end_s.append(end_s)
         self.latency_s.append(latency_s)
         self.status.append(status)

@@ -77,6 +77,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """One of ``__all__``, imported from its module on first use and cached in this module.
+
+    Raises:
+        AttributeError: ``name`` is not one of this package's exports.
+    """
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,13 +24,15 @@ def deserialize_bytes(
     """Split a serialized BYTES tensor into its elements.
 
     Args:
-        buffer: Exactly the bytes of this tensor (its ``binary_data_size`` bytes).
+        buffer: Exactly the bytes of this tensor (its ``binary_data_size`` bytes): per
+            element a uint32 little-endian length, then that many bytes.
         count: Element count the request's shape asks for (product of the shape).
         name: Input name, for messages.
-        size_label: How messages name the buffer's size (``binary_data_size`` over HTTP).
+        size_label: How messages name the buffer's size (``binary_data_size`` over HTTP,
+            ``raw_input_contents size`` over gRPC).
 
     Returns:
-        ``count`` ``bytes`` objects, row-major.
+        ``count`` ``bytes`` objects, row-major (the caller reshapes them).
 
     Raises:
         InvalidInputError: the buffer holds fewer or more than ``count`` elements, an
@@ -105,6 +107,14 @@ def _to_text(item: object, name: str) -> str:
 def bytes_elements(array: np.ndarray, name: str) -> list[bytes]:
     """Flatten a BYTES output (``object`` of bytes/str, ``S`` or ``U`` array) to bytes, row-major.
 
+    Args:
+        array: The model's output, any shape; dtype ``object`` (``bytes``/``str`` elements),
+            ``S`` or ``U``.
+        name: Output name, for messages.
+
+    Returns:
+        ``array.size`` ``bytes`` objects in row-major order (``str`` elements UTF-8 encoded).
+
     Raises:
         BackendError: the array is numeric, or an element is neither bytes nor str.
     """
@@ -120,6 +130,14 @@ def bytes_elements(array: np.ndarray, name: str) -> list[bytes]:
 
 def bytes_as_text(array: np.ndarray, name: str) -> list[str]:
     """A BYTES output as JSON strings (UTF-8 decoded), row-major.
+
+    Args:
+        array: The model's output, any shape; dtype ``object`` (``bytes``/``str`` elements),
+            ``S`` or ``U``.
+        name: Output name, for messages.
+
+    Returns:
+        ``array.size`` ``str`` objects in row-major order.
 
     Raises:
         BackendError: an element is not valid UTF-8 (JSON cannot carry it; the client must
@@ -143,6 +161,14 @@ def bytes_as_text(array: np.ndarray, name: str) -> list[str]:
 
 def serialize_bytes(elements: list[bytes], name: str) -> bytes:
     """Length-prefix and concatenate BYTES elements (the inverse of :func:`deserialize_bytes`).
+
+    Args:
+        elements: The tensor's elements, row-major (see :func:`bytes_elements`).
+        name: Output name, for messages.
+
+    Returns:
+        The wire form: per element a 4-byte little-endian uint32 length, then its bytes;
+        ``4 * len(elements) + sum(map(len, elements))`` bytes in all.
 
     Raises:
         BackendError: an element is longer than 4 GiB - 1, which the prefix cannot express.

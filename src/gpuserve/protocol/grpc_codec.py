@@ -329,7 +329,22 @@ class GrpcInferMessage:
     def decode(
         self, config: ModelConfig, model_name: str, model_version: str | None
     ) -> InferenceRequest:
-        """Validate the message against ``config``; see :func:`decode_infer_request`."""
+        """Validate the message against ``config`` (the routed version's) and build the
+        engine's request.
+
+        Args:
+            config: The configuration of the version that takes the request.
+            model_name: Target model.
+            model_version: Requested version, or None for the default version.
+
+        Returns:
+            The request: inputs as numpy arrays of the declared dtypes, batch dimension
+            first when the model batches; raw fixed-size inputs are zero-copy, read-only
+            views of ``raw_input_contents``.
+
+        Raises:
+            InvalidInputError: see :func:`decode_infer_request`.
+        """
         return decode_infer_request(self.message, config, model_name, model_version, self.limits)
 
 

@@ -248,7 +248,22 @@ class HttpInferBody:
     def decode(
         self, config: ModelConfig, model_name: str, model_version: str | None
     ) -> InferenceRequest:
-        """Validate the request against ``config``; see :func:`decode_infer_request`."""
+        """Validate the tensors against ``config`` (the routed version's) and build the
+        engine's request; :attr:`output_options` is set from the request's outputs.
+
+        Args:
+            config: The configuration of the version that takes the request.
+            model_name: Target model (from the URL).
+            model_version: Version from the URL, or None for the default version.
+
+        Returns:
+            The request: inputs as numpy arrays of the declared dtypes, batch dimension
+            first when the model batches; binary fixed-size inputs are zero-copy, read-only
+            views of the body.
+
+        Raises:
+            InvalidInputError: see :func:`decode_infer_request`.
+        """
         decoded = _decode_document(
             self._parsed(), self._binary, config, model_name, model_version, self._limits
         )

@@ -33,6 +33,10 @@ class RequestLimits:
     def check_elements(self, name: str, shape: Sequence[int]) -> None:
         """Refuse ``shape`` when it holds more than ``max_tensor_elements`` elements.
 
+        Args:
+            name: Input name, for messages.
+            shape: The request's shape of the input, batch dimension included.
+
         Raises:
             InvalidInputError: the count (exact: Python integers) exceeds the limit.
         """
@@ -46,6 +50,10 @@ class RequestLimits:
     def check_bytes(self, name: str, array: np.ndarray) -> None:
         """Refuse a BYTES input (``object`` array of ``bytes``) with an element longer than
         ``max_bytes_element_bytes``.
+
+        Args:
+            name: Input name, for messages.
+            array: The built input, any shape, dtype ``object`` holding ``bytes``.
 
         Raises:
             InvalidInputError: names the first element over the limit and its length.

@@ -32,12 +32,28 @@ _JSON_TYPE_NAMES = {
 
 
 def json_type(value: Any) -> str:
-    """The JSON name of a parsed value's type (``object``, ``array``, ``string``, ...)."""
+    """The JSON name of a parsed value's type, for messages.
+
+    Args:
+        value: A value as orjson parses it (dict, list, str, int, float, bool or None).
+
+    Returns:
+        ``object``, ``array``, ``string``, ``integer``, ``number``, ``boolean`` or ``null``;
+        the Python type's name for anything else.
+    """
     return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def show(value: Any, limit: int = 60) -> str:
-    """A value as JSON text for a message, cut to ``limit`` characters."""
+    """A value as JSON text for a message, cut to ``limit`` characters.
+
+    Args:
+        value: Any value; one orjson cannot write is shown with ``repr``.
+        limit: Longest result, characters (a longer text ends in ``...``).
+
+    Returns:
+        At most ``limit`` characters.
+    """
     try:
         text = orjson.dumps(value).decode()
     except TypeError:
@@ -46,23 +62,51 @@ def show(value: Any, limit: int = 60) -> str:
 
 
 def format_shape(shape: Sequence[Any]) -> str:
-    """``[1, 16]``; non-integers shown as JSON (``[1, 16.0]``, ``["1", 16]``)."""
+    """A shape as a message shows it: ``[1, 16]``.
+
+    Args:
+        shape: Dimensions as received; non-integers are shown as JSON (``[1, 16.0]``,
+            ``["1", 16]``), each cut to 30 characters.
+
+    Returns:
+        The bracketed, comma-separated dimensions.
+    """
     return "[" + ", ".join(show(d, 30) for d in shape) + "]"
 
 
 def declared_shape(spec: TensorSpec, max_batch_size: int) -> str:
-    """The full shape a request must send, with ``-1`` for free dimensions."""
+    """The full shape a request must send, with ``-1`` for free dimensions.
+
+    Args:
+        spec: The declared input (shape without the batch dimension).
+        max_batch_size: The model's; when > 0 a leading ``-1`` stands for the batch.
+
+    Returns:
+        The shape as :func:`format_shape` writes it, e.g. ``[-1, 128]``.
+    """
     dims = [-1, *spec.shape] if max_batch_size > 0 else list(spec.shape)
     return format_shape(dims)
 
 
 def element_count(shape: Sequence[int]) -> int:
-    """Number of elements of ``shape`` (exact, Python integers: no overflow)."""
+    """Number of elements of ``shape``.
+
+    Args:
+        shape: Non-negative dimensions, batch dimension included when there is one.
+
+    Returns:
+        The product of the dimensions, exact (Python integers: no overflow); 1 for ``()``.
+    """
     return math.prod(shape)
 
 
 def check_datatype(spec: TensorSpec, name: str, datatype: Any) -> None:
     """Require the request's datatype to equal the declared one exactly.
+
+    Args:
+        spec: The declared input; ``spec.datatype`` is a V2 datatype such as ``FP32``.
+        name: Input name, for messages.
+        datatype: As received (should be a string such as ``"FP32"``; anything is checked).
 
     Raises:
         InvalidInputError: missing, not a V2 datatype, BF16, or a different datatype.

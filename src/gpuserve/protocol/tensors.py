@@ -289,6 +289,24 @@ def build_input(
     must be given. ``limits`` (None: none) are checked on the shape before the data is
     read, and on BYTES element lengths after.
 
+    Args:
+        spec: The declared input (V2 datatype, shape without the batch dimension).
+        name: Input name, for messages.
+        datatype: The request's ``datatype`` as received (see :func:`check_datatype`).
+        shape: The request's ``shape`` as received (see :func:`check_shape`).
+        json_data: The input's JSON ``data`` (flat or nested list), or None.
+        raw: Exactly this input's bytes (HTTP binary extension or gRPC
+            ``raw_input_contents``), or None.
+        config: The model's configuration (its ``max_batch_size``).
+        size_label: How messages name the byte size of ``raw``.
+        limits: Server-wide size limits, or None for none.
+
+    Returns:
+        An array of shape ``tuple(shape)`` (batch dimension first when the model batches)
+        and the numpy dtype of ``spec.datatype``: ``object`` holding ``bytes`` for BYTES,
+        ``bool`` for BOOL, e.g. ``float32`` for FP32. From ``raw`` it may be a read-only
+        view of the request's buffer.
+
     Raises:
         InvalidInputError: any check fails; the message names the input.
     """
