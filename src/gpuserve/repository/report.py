@@ -7,6 +7,7 @@ that name no version which that version receives now (0..1).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gpuserve.repository.state import Model, VersionState
@@ -86,3 +87,16 @@ def model_summary(model: Model) -> dict[str, Any]:
         "held_back": [str(v) for v in sorted(model.held)],
         "versions": version_rows(model),
     }
+
+
+def load_failed(name: str, failures: Mapping[int, str], served: int | None) -> str:
+    """The error of a load request of model ``name`` in which versions failed.
+
+    Args:
+        name: The model.
+        failures: The reason of each version that failed, by number.
+        served: The version that keeps serving, or None.
+    """
+    causes = "; ".join(f"version {v}: {why}" for v, why in sorted(failures.items()))
+    tail = f"; version {served} keeps serving" if served is not None else ""
+    return f"failed to load model '{name}': {causes}{tail}"

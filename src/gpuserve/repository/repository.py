@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from gpuserve.config import CONFIG_FILENAME, ModelConfig, load_model_config
-from gpuserve.errors import ConfigError
+from gpuserve.config import CONFIG_FILENAME, ModelConfig, load_model_config, parse_model_config
+from gpuserve.errors import ConfigError, ModelNotFoundError
 
 #: Files that mark a version folder as still being written.
 INCOMPLETE_MARKERS = (".incomplete", "INCOMPLETE")
@@ -186,6 +187,30 @@ def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
             + (f"; {'; '.join(p for p in problems if p)}" if problems else "")
         )
     return entry
+
+
+def read_model(path: Path, override: dict[str, Any] | None = None) -> ModelEntry:
+    """Read the model folder a load request names (blocking; run it off the event loop).
+
+    Args:
+        path: The model folder.
+        override: A complete model configuration (the ``config.yaml`` fields, as JSON) to use
+            instead of ``config.yaml``, or None.
+
+    Raises:
+        ModelNotFoundError: no such model folder (or no ``config.yaml`` and no override).
+        ConfigError: the override is not a valid configuration.
+    """
+    if not path.is_dir() or path.name.startswith((".", "_")):
+        raise ModelNotFoundError(f"no model '{path.name}' in the repository {path.parent}")
+    if override is None and not (path / CONFIG_FILENAME).is_file():
+        raise ModelNotFoundError(
+            f"no model '{path.name}' in the repository {path.parent} (no {CONFIG_FILENAME})"
+        )
+    config = None
+    if override is not None:
+        config = parse_model_config(override, Path(f"<load request for {path.name}>"), path.name)
+    return scan_model(path, config)
 
 
 def scan_repository(root: Path) -> list[ModelEntry]:
