@@ -6,10 +6,17 @@ on it in this process.
 minilm:   input_ids INT64 [-1, 32] -> embedding FP32 [-1, 384] (BERT encoder with an all-ones
           mask, mean pooling, L2 norm: what benchlib.model computes)
 identity: x FP32 [-1, 16] -> y FP32 [-1, 16]
+
+--src DIR runs gpuserve from another source tree (DIR holds the `gpuserve` package, e.g. an
+exported base commit's src/) instead of the bench venv's install of this checkout: DIR goes
+first on sys.path and on PYTHONPATH (for anything the server starts). The script prints
+`BENCHINFO gpuserve imported from ...` (run.py copies it into the report) and stops if the
+package did not come from DIR.
 """
 
 import _common  # noqa: F401  (sys.path)
 
+import argparse
 import os
 import sys
 import tempfile
@@ -70,7 +77,26 @@ def write_model(root: Path, name: str, inputs: str, outputs: str, source: str) -
     )
 
 
+def import_gpuserve(src: str | None) -> None:
+    """Import gpuserve (from `src` when given) and say where from."""
+    if src:
+        src = os.path.abspath(src)
+        if not os.path.isfile(os.path.join(src, "gpuserve", "__init__.py")):
+            sys.exit(f"--src {src}: no gpuserve/__init__.py there")
+        sys.path.insert(0, src)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    import gpuserve
+
+    where = os.path.abspath(gpuserve.__file__)
+    print(f"BENCHINFO gpuserve imported from {where}", flush=True)
+    if src and not where.startswith(src + os.sep):
+        sys.exit(f"gpuserve came from {where}, not from --src {src}")
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description="gpuserve for the peer benchmark (env: BENCH_*)")
+    ap.add_argument("--src", help="source tree holding the gpuserve package (default: the installed one)")
+    import_gpuserve(ap.parse_args().src)
     root = Path(tempfile.mkdtemp(prefix="gpuserve-bench-"))
     if "minilm" in MODELS:
         write_model(root, "minilm", "{name: input_ids, datatype: INT64, shape: [-1]}",
