@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -143,3 +145,82 @@ class SubprocessServer:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+# -- polling with deadlines (never a fixed sleep as synchronisation) -------------------------
+
+#: One TLS context for the polling calls below: httpx builds one per call otherwise (~0.1 s).
+_TLS = ssl.create_default_context()
+
+
+def wait_until(condition, deadline_s: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` every 5 ms until it is true; AssertionError after ``deadline_s``."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not true after {deadline_s} s")
+        time.sleep(0.005)
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """One model version's requests, from the Prometheus gauges a client can scrape.
+
+    Attributes:
+        queued: ``gpuserve_queue_depth``: requests waiting for a batch.
+        in_flight: ``gpuserve_inflight_requests``: admitted and not yet answered (queued plus
+            executing).
+    """
+
+    queued: int
+    in_flight: int
+
+    @property
+    def executing(self) -> int:
+        """Requests in a batch that runs now."""
+        return self.in_flight - self.queued
+
+
+def queue_state(url: str, model: str, version: str = "1") -> QueueState:
+    """The queue of ``model`` (version ``version``) as ``GET {url}/metrics`` reports it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"model": model, "version": version}
+    found = {"gpuserve_queue_depth": 0.0, "gpuserve_inflight_requests": 0.0}
+    text = httpx.get(f"{url}/metrics", timeout=10, verify=_TLS).text
+    # only the two gauges' samples: parsing every histogram would take most of the time
+    lines = [line for line in text.splitlines() if line.startswith(tuple(found))]
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name in found and sample.labels == wanted:
+                found[sample.name] = sample.value
+    return QueueState(int(found["gpuserve_queue_depth"]), int(found["gpuserve_inflight_requests"]))
+
+
+def wait_queue(
+    url: str,
+    model: str,
+    executing: int | None = None,
+    queued: int | None = None,
+    deadline_s: float = 10.0,
+) -> QueueState:
+    """Poll :func:`queue_state` until at least ``executing`` requests run and at least
+    ``queued`` wait (either None: any); returns the state seen."""
+    seen: list[QueueState] = []
+
+    def reached() -> bool:
+        state = queue_state(url, model)
+        seen.append(state)
+        return (executing is None or state.executing >= executing) and (
+            queued is None or state.queued >= queued
+        )
+
+    wait_until(reached, deadline_s, f"{model}: {executing} executing and {queued} queued")
+    return seen[-1]
+
+
+def ran_rows(server: InProcessServer, model: str) -> list[float]:
+    """The first element of every row a fixture model that logs its rows has run (the
+    ``RAN`` list of ``slow_fp32``'s ``model.py``, found through the loaded model)."""
+    instance = server.manager.scheduler(model, None).instances[0]
+    return type(instance.backend.model).forward.__globals__["RAN"]

@@ -1,14 +1,15 @@
-"""Failure cases BC-12, BC-20 (the steps ``test_metrics.py`` leaves out) and BC-25 over gRPC
-of shared/cases/README.md, over real HTTP and gRPC.
+"""Failure cases BC-12 (the JSON configuration keys), BC-20 (the steps ``test_metrics.py``
+leaves out) and BC-25 over gRPC of shared/cases/README.md, over real HTTP and gRPC.
 
-* BC-12: a request whose client deadline passes, or whose queue timeout passes, is dropped
-  from the queue without running and counted; a request with a longer ``timeout`` parameter
-  waits and runs; the timeout's unit (microseconds) is in the config key and its echo.
+* BC-12: the timeout's unit (microseconds) is in every JSON configuration key. Expired and
+  longer-timeout requests, and a timeout set with a load request, are in the parametrised
+  suite (``test_frontends_queue.py``, ``test_frontends_management.py``), over both protocols.
 * BC-20: failures counted by reason (per-row model errors, queue timeouts, cancellations),
   latency quantiles from the histogram buckets, queue and compute time reported apart, the
   queue-depth gauge under a real queue, and counters that survive an unload and reload.
 * BC-25 (gRPC): calls admitted before SIGTERM finish, new ones get UNAVAILABLE "shutting
-  down" (never NOT_FOUND), readiness turns false while liveness stays true.
+  down" (never NOT_FOUND), readiness turns false while liveness stays true, and the standard
+  health service reads NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import re
 import shutil
 import time
 
@@ -32,7 +32,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import FIXTURE_REPOSITORY
 from tests.fixtures.lifecycle_support import make_repository
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, wait_queue, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,76 +56,16 @@ def grpc_input(tag: float) -> grpcclient.InferInput:
     return tensor
 
 
-def ran_rows(server, model: str) -> list[float]:
-    """The first element of every row the slow model actually ran (its module's log)."""
-    instance = server.manager.scheduler(model, None).instances[0]
-    return type(instance.backend.model).forward.__globals__["RAN"]
-
-
-def failure_reasons(client: httpx.Client, model: str) -> dict[str, int]:
-    return client.get(f"/v2/models/{model}/stats").json()["model_stats"][0]["failure_reasons"]
-
-
 def wait_running(server, model: str, deadline_s: float = 10.0) -> None:
-    """Wait until the model's (only) instance runs a batch."""
-    instance = server.manager.scheduler(model, None).instances[0]
-    end = time.monotonic() + deadline_s
-    while instance.in_flight == 0:
-        assert time.monotonic() < end, "the first request never started"
-        time.sleep(0.005)
+    """Wait until the model runs a batch (its queue gauges, as a client scrapes them)."""
+    wait_queue(server.url, model, executing=1, deadline_s=deadline_s)
 
 
-# -- BC-12: timed-out requests leave the queue without running -------------------------------
+# -- BC-12: the unit of the queue timeout, in the JSON configuration -------------------------
 
 
-def test_bc12_expired_requests_never_run_and_a_longer_timeout_runs(server, client):
-    url = f"{server.url}/v2/models/{QUEUE_TIMEOUT_MODEL}/infer"
-    before = failure_reasons(client, QUEUE_TIMEOUT_MODEL)
-    triton = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def post(tag: float, timeout_us: int | None = None) -> tuple[httpx.Response, float]:
-        started = time.monotonic()
-        response = httpx.post(url, json=fp32_body(tag, timeout_us), timeout=30)
-        return response, time.monotonic() - started
-
-    def grpc_call(tag: float) -> str:
-        try:
-            triton.infer(QUEUE_TIMEOUT_MODEL, [grpc_input(tag)], client_timeout=0.2)
-        except InferenceServerException as err:
-            return str(err.status())
-        return "OK"
-
-    try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            a = pool.submit(post, 1201.0)  # runs about 1 s
-            wait_running(server, QUEUE_TIMEOUT_MODEL)
-            b = pool.submit(grpc_call, 1202.0)  # client deadline 200 ms
-            c = pool.submit(post, 1203.0)  # the model's queue timeout: 300 ms
-            d = pool.submit(post, 1204.0, 2_000_000)  # timeout parameter: 2 s, in microseconds
-            a_response, _ = a.result()
-            assert b.result() == "StatusCode.DEADLINE_EXCEEDED"
-            c_response, c_elapsed = c.result()
-            d_response, d_elapsed = d.result()
-    finally:
-        triton.close()
-    assert a_response.status_code == 200 and a_response.json()["outputs"][0]["data"][0] == 2402.0
-    assert c_response.status_code == 503, c_response.text
-    message = c_response.json()["error"]
-    assert "timed out in the queue" in message and "without running" in message
-    waited_ms = int(re.search(r"after (\d+) ms", message).group(1))
-    assert 290 <= waited_ms < 700, message
-    assert 0.25 < c_elapsed < 0.9, c_elapsed  # refused at its timeout, not after A finished
-    assert d_response.status_code == 200 and d_response.json()["outputs"][0]["data"][0] == 2408.0
-    assert d_elapsed > 1.5  # it waited for A, then ran
-    ran = ran_rows(server, QUEUE_TIMEOUT_MODEL)
-    assert 1201.0 in ran and 1204.0 in ran
-    assert 1202.0 not in ran and 1203.0 not in ran
-    after = failure_reasons(client, QUEUE_TIMEOUT_MODEL)
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("cancelled", "timeout")}
-    assert delta["timeout"] >= 1 and delta["cancelled"] + delta["timeout"] == 2, delta
-
-
-def test_bc12_the_unit_is_in_the_config_key_and_its_echo(server, client):
+def test_bc12_the_unit_is_in_the_config_key_and_its_echo(client):
+    """The JSON keys; the values over both protocols are in ``test_frontends_views.py``."""
     config = client.get(f"/v2/models/{QUEUE_TIMEOUT_MODEL}/config").json()
     assert config["dynamic_batching"]["default_timeout_us"] == 300_000
     assert all(
@@ -133,11 +73,6 @@ def test_bc12_the_unit_is_in_the_config_key_and_its_echo(server, client):
         for key in config["dynamic_batching"]
         if "timeout" in key or "delay" in key
     )
-    with grpc.insecure_channel(server.grpc_url) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        echo = stub.ModelConfig(service_pb2.ModelConfigRequest(name=QUEUE_TIMEOUT_MODEL), timeout=5)
-    policy = echo.config.dynamic_batching.default_queue_policy
-    assert policy.default_timeout_microseconds == 300_000
 
 
 # -- BC-20: failures by reason, latency from buckets, queue depth, no reset -------------------
@@ -326,27 +261,6 @@ def test_bc20_failures_by_reason_latency_queue_depth_and_no_reset(metrics_server
     client.close()
 
 
-def test_bc12_a_queue_timeout_set_in_its_unit_reads_back_in_that_unit(metrics_server):
-    """Set the queue timeout to 200 (microseconds, as the key says) with a load request and
-    read it back; a key in another unit is refused, not misread."""
-    url = f"{metrics_server.url}/v2/repository/models/slow_200/load"
-    config = {
-        "backend": "python",
-        "max_batch_size": 1,
-        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [16]}],
-        "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [16]}],
-        "dynamic_batching": {"default_timeout_us": 200},
-        "parameters": {"delay_s": 0.2},
-    }
-    response = httpx.post(url, json={"parameters": {"config": json.dumps(config)}}, timeout=30)
-    assert response.status_code == 200, response.text
-    echo = httpx.get(f"{metrics_server.url}/v2/models/slow_200/config").json()
-    assert echo["dynamic_batching"]["default_timeout_us"] == 200
-    config["dynamic_batching"] = {"default_timeout_ms": 200}
-    refused = httpx.post(url, json={"parameters": {"config": json.dumps(config)}}, timeout=30)
-    assert refused.status_code == 400 and "default_timeout_ms" in refused.json()["error"]
-
-
 # -- BC-25 over gRPC: admitted calls finish during SIGTERM, new ones get UNAVAILABLE ----------
 
 
@@ -370,18 +284,19 @@ def test_bc25_grpc_calls_admitted_before_the_stop_finish_and_new_ones_are_unavai
                 for i in range(10)
             ]
             scheduler = server.manager.scheduler("slow_fp32", None)
-            end = time.monotonic() + 20
             # every request admitted (a loaded machine may finish the first batch meanwhile)
-            while True:
-                done = sum(f.done() for f in admitted_grpc + admitted_http)
-                if scheduler.in_flight_requests + done >= 20:
-                    break
-                assert time.monotonic() < end, (scheduler.in_flight_requests, done)
-                time.sleep(0.005)
+            wait_until(
+                lambda: (
+                    scheduler.in_flight_requests
+                    + sum(f.done() for f in admitted_grpc + admitted_http)
+                    >= 20
+                ),
+                20.0,
+                "all 20 requests admitted",
+            )
             assert scheduler.in_flight_requests >= 8  # the stop meets queued and running work
             stopping = pool.submit(server.stop)  # what SIGTERM does
-            while not server.manager.shutting_down:
-                time.sleep(0.005)
+            wait_until(lambda: server.manager.shutting_down, 10.0, "the stop began")
             with grpc.insecure_channel(server.grpc_url) as channel:
                 stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
                 health = health_pb2_grpc.HealthStub(channel)
