@@ -112,6 +112,24 @@ def test_expired_requests_leave_the_queue_and_are_never_batched():
     assert tags(b.next_batch(1.0)) == ["b"]
 
 
+def test_a_timer_fired_at_next_wakeup_finds_the_batch_due():
+    # 0.04 + 0.05 is a hair above 0.09 in binary: the due check adds the same way
+    b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=0.05)
+    b.add(item(at=0.04, tag="a"))
+    wake = b.next_wakeup(can_dispatch=True)
+    assert b.next_batch(wake - 1e-9) is None
+    assert tags(b.next_batch(wake)) == ["a"]
+
+
+def test_deadlines_are_known_without_expiring():
+    b = DynamicBatcher(max_batch_size=8)
+    b.add(item(tag="a"))
+    assert not b.has_deadlines
+    b.add(item(tag="b", deadline=1.0))
+    assert b.has_deadlines
+    assert [p.request.id for p in b.expire(1.0)] == ["b"] and not b.has_deadlines
+
+
 def test_removed_request_is_not_batched_and_its_deadline_is_forgotten():
     b = DynamicBatcher(max_batch_size=8, max_queue_delay_s=1.0)
     a = item(tag="a", deadline=0.2)
@@ -147,10 +165,12 @@ def test_requests_whose_client_left_are_dropped_not_batched():
         if tag in gone:
             it.request.is_cancelled = lambda tag=tag: gone[tag]
         b.add(it)
+    assert not b.has_cancelled
     batch = b.next_batch(0.0)
     assert tags(batch) == ["a", "c"]
+    assert b.has_cancelled
     assert [p.request.id for p in b.take_cancelled()] == ["b"]
-    assert b.take_cancelled() == [] and len(b) == 0
+    assert b.take_cancelled() == [] and len(b) == 0 and not b.has_cancelled
 
 
 def test_early_dispatch_sends_once_the_previous_batch_size_is_queued():

@@ -1,10 +1,14 @@
-"""Instance pipelining, several instances, and out-of-memory splitting, with in-test backends."""
+"""Instance pipelining, several instances, and out-of-memory splitting, with in-test backends.
+
+Overlap is shown by events, not wall time: a stage waits for an event that only another
+stage running at the same time can set, so a pipeline that did not overlap would stall (and
+fail the wait) instead of being merely slower.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,37 +21,77 @@ from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.scheduler import ModelScheduler
 from gpuserve.errors import OutOfMemoryError
 
+WAIT_S = 10.0  # only reached when the overlap under test is missing
 
-class SleepyStages(Backend):
-    """Each stage sleeps (sleep releases the GIL, like device work or tokenisers in C)."""
 
-    def __init__(self, p: float, f: float, q: float) -> None:
-        self.p, self.f, self.q = p, f, q
+class RecordedStages(Backend):
+    """Records (stage, batch value, thread) per stage; optional hooks block a stage."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, float, str]] = []
+        self.lock = threading.Lock()
+        self.done: dict[tuple[str, float], threading.Event] = {}
+        self.before_forward = lambda value: None
+
+    def load(self, context: LoadContext) -> None:
+        pass
+
+    def _record(self, stage: str, value: float) -> None:
+        with self.lock:
+            self.log.append((stage, value, threading.current_thread().name))
+            self.done.setdefault((stage, value), threading.Event()).set()
+
+    def finished(self, stage: str, value: float) -> threading.Event:
+        with self.lock:
+            return self.done.setdefault((stage, value), threading.Event())
+
+    def preprocess(self, inputs):
+        x = inputs["INPUT0"]
+        self._record("pre", float(x[0, 0]))
+        return x
+
+    def forward(self, x):
+        self.before_forward(float(x[0, 0]))
+        self._record("fwd", float(x[0, 0]))
+        return x * 2
+
+    def postprocess(self, y):
+        self._record("post", float(y[0, 0]) / 2)
+        return {"OUTPUT0": y}
+
+
+class MeetInForward(Backend):
+    """Every forward waits at a barrier shared by all instances: it passes only while as many
+    forwards run at once as the barrier has parties."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self.barrier = barrier
         self.forward_threads: set[str] = set()
 
     def load(self, context: LoadContext) -> None:
         pass
 
     def preprocess(self, inputs):
-        time.sleep(self.p)
         return inputs["INPUT0"]
 
     def forward(self, x):
         self.forward_threads.add(threading.current_thread().name)
-        time.sleep(self.f)
+        self.barrier.wait(WAIT_S)
         return x * 2
 
     def postprocess(self, y):
-        time.sleep(self.q)
         return {"OUTPUT0": y}
 
 
 class OomAbove(Backend):
-    """Raises a CUDA-style out-of-memory error for batches above ``limit`` rows."""
+    """Raises a CUDA-style out-of-memory error for batches above ``limit`` rows; each forward
+    waits for ``gate``."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.sizes: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
 
     def load(self, context: LoadContext) -> None:
         pass
@@ -56,6 +100,7 @@ class OomAbove(Backend):
         return inputs["INPUT0"]
 
     def forward(self, x):
+        assert self.gate.wait(WAIT_S)
         self.sizes.append(x.shape[0])
         if x.shape[0] > self.limit:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -65,13 +110,12 @@ class OomAbove(Backend):
         return {"OUTPUT0": y}
 
 
-def config(max_batch_size: int = 1, delay_us: int = 0) -> ModelConfig:
+def config(max_batch_size: int = 1) -> ModelConfig:
     return ModelConfig(
         name="m",
         max_batch_size=max_batch_size,
         inputs=[TensorSpec(name="INPUT0", datatype="FP32", shape=[4])],
         outputs=[TensorSpec(name="OUTPUT0", datatype="FP32", shape=[4])],
-        dynamic_batching={"max_queue_delay_us": delay_us},
     )
 
 
@@ -92,59 +136,89 @@ def request(value: float, rows: int = 1) -> InferenceRequest:
     return InferenceRequest("m", None, {"INPUT0": x})
 
 
-async def run_requests(scheduler: ModelScheduler, n: int) -> float:
-    t0 = time.monotonic()
+async def run_requests(scheduler: ModelScheduler, n: int) -> None:
     results = await asyncio.gather(*(scheduler.infer(request(float(i))) for i in range(n)))
-    elapsed = time.monotonic() - t0
     for i, result in enumerate(results):
         np.testing.assert_array_equal(result.outputs["OUTPUT0"], np.full((1, 4), 2.0 * i))
-    return elapsed
 
 
-def test_pipelined_stages_overlap_towards_one_over_max_stage_time():
-    p, f, q, n = 0.02, 0.03, 0.02, 20
+def test_pipelined_stages_overlap_three_batches():
+    backend = RecordedStages()
+    met: list[bool] = []
 
-    async def main(depth: int) -> float:
-        scheduler = start(config(), [SleepyStages(p, f, q)], depth)
-        elapsed = await run_requests(scheduler, n)
+    def forward_waits_for_the_neighbours(value: float) -> None:
+        if value == 1.0:  # batch 1 computes while batch 0 is postprocessed and 2 preprocessed
+            met.append(backend.finished("post", 0.0).wait(WAIT_S))
+            met.append(backend.finished("pre", 2.0).wait(WAIT_S))
+
+    backend.before_forward = forward_waits_for_the_neighbours
+
+    async def main() -> None:
+        scheduler = start(config(), [backend], 3)
+        assert scheduler.instances[0].capacity == 3
+        await run_requests(scheduler, 6)
         await scheduler.close()
-        return elapsed
 
-    serial = asyncio.run(main(1))
-    pipelined = asyncio.run(main(3))
-    # serial ~ n * (p + f + q) = 1.4 s; pipelined ~ n * max(p, f, q) + p + q = 0.64 s
-    assert serial >= n * (p + f + q) * 0.95
-    assert pipelined < n * max(p, f, q) * 1.5, (serial, pipelined)
-    assert serial / pipelined > 1.6
+    asyncio.run(main())
+    assert met == [True, True]
+    threads = {stage: {t for s, _, t in backend.log if s == stage} for stage in ("pre", "fwd")}
+    assert len(threads["pre"]) == 1 and len(threads["fwd"]) == 1
+    assert threads["pre"] != threads["fwd"]  # one thread per stage
+    # each stage still sees the batches in order
+    for stage in ("pre", "fwd", "post"):
+        assert [v for s, v, _ in backend.log if s == stage] == [float(i) for i in range(6)]
+
+
+def test_without_pipelining_the_stages_run_one_batch_at_a_time():
+    backend = RecordedStages()
+
+    async def main() -> None:
+        scheduler = start(config(), [backend], 1)
+        assert scheduler.instances[0].capacity == 1
+        await run_requests(scheduler, 4)
+        await scheduler.close()
+
+    asyncio.run(main())
+    expected = [(stage, float(i)) for i in range(4) for stage in ("pre", "fwd", "post")]
+    assert [(s, v) for s, v, _ in backend.log] == expected
+    assert len({t for _, _, t in backend.log}) == 1  # one thread runs every stage
 
 
 def test_two_instances_serve_concurrently():
-    async def main() -> tuple[float, set[str]]:
-        backends = [SleepyStages(0.0, 0.1, 0.0), SleepyStages(0.0, 0.1, 0.0)]
-        scheduler = start(config(), backends, 1)
-        elapsed = await run_requests(scheduler, 8)
-        await scheduler.close()
-        return elapsed, backends[0].forward_threads | backends[1].forward_threads
+    barrier = threading.Barrier(2)
+    backends = [MeetInForward(barrier), MeetInForward(barrier)]
 
-    elapsed, threads = asyncio.run(main())
+    async def main() -> None:
+        scheduler = start(config(), backends, 1)
+        await run_requests(scheduler, 8)  # four rounds, both instances in forward at once
+        await scheduler.close()
+
+    asyncio.run(main())
+    assert not barrier.broken
+    threads = backends[0].forward_threads | backends[1].forward_threads
     assert len(threads) == 2  # both instances ran batches
-    assert elapsed < 8 * 0.1 * 0.75  # ~0.4 s with two, 0.8 s with one
 
 
 def test_out_of_memory_batch_is_split_and_every_caller_gets_its_rows():
     async def main() -> None:
         backend = OomAbove(limit=2)
-        scheduler = start(config(max_batch_size=8, delay_us=200_000), [backend], 1)
+        backend.gate.clear()
+        scheduler = start(config(max_batch_size=8), [backend], 1)
+        blocker = scheduler.submit(request(0.0))  # holds the instance while 8 queue up
         values = [float(i + 1) for i in range(8)]
-        results = await asyncio.gather(*(scheduler.infer(request(v)) for v in values))
+        futures = [scheduler.submit(request(v)) for v in values]
+        backend.gate.set()
+        await blocker
+        results = await asyncio.gather(*futures)
         for v, result in zip(values, results, strict=True):
             np.testing.assert_array_equal(result.outputs["OUTPUT0"], np.full((1, 4), 2 * v))
-        assert backend.sizes[0] == 8 and max(backend.sizes[1:]) <= 4
+        assert backend.sizes == [1, 8, 4, 4, 2, 2, 2, 2]
         # a single request too big for the device fails alone, with a retryable 503-kind error
         with pytest.raises(OutOfMemoryError, match="out of memory"):
             await scheduler.infer(request(1.0, rows=3))
         result = await scheduler.infer(request(5.0, rows=2))
         np.testing.assert_array_equal(result.outputs["OUTPUT0"], np.full((2, 4), 10.0))
+        assert scheduler.stats.fail_reasons == {"out_of_memory": 1}
         await scheduler.close()
 
     asyncio.run(main())

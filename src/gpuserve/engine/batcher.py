@@ -1,7 +1,7 @@
 """The dynamic batcher: a pure state machine that decides which requests run together.
 
 It owns the queue of one model version and nothing else: no threads, no timers, no clock of its
-own. The scheduler drives it::
+own. The scheduling core (``scheduling.py``) drives it::
 
     batcher.add(item)                 # admission (may raise OverloadedError)
     batch = batcher.next_batch(now)   # when an instance is free: a Batch or None
@@ -36,48 +36,13 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-from typing import Any
 
-from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.batch import Batch, Pending
 from gpuserve.errors import OverloadedError
 
+__all__ = ["Batch", "DynamicBatcher", "Pending"]  # Batch and Pending live in engine/batch.py
+
 _MIN_REGATHER_S = 0.001
-
-
-@dataclass(slots=True, eq=False)
-class Pending:
-    """A request waiting in (or taken from) the queue.
-
-    Attributes:
-        request: The validated request.
-        rows: Its batch-dimension size (1 for models without batching).
-        shape_key: Hashable description of its non-batch input shapes; only equal keys batch.
-        arrival_s: Admission time, seconds.
-        deadline_s: Queue deadline, seconds, or None.
-        priority: Level, 1 = served first.
-        token: Opaque handle for the driver (e.g. the future to resolve); unused here.
-        queued: True while in the queue.
-    """
-
-    request: InferenceRequest
-    rows: int
-    shape_key: Hashable
-    arrival_s: float
-    deadline_s: float | None = None
-    priority: int = 1
-    token: Any = None
-    queued: bool = False
-
-
-@dataclass(slots=True)
-class Batch:
-    """Requests that run together, in order; ``rows`` is the sum of their rows."""
-
-    items: list[Pending]
-    rows: int
-    formed_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _gone(item: Pending) -> bool:
@@ -184,6 +149,16 @@ class DynamicBatcher:
         self._forget(item)
         self._cancelled.append(item)
 
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether any queued item may have a deadline (cheap check before :meth:`expire`)."""
+        return bool(self._deadlines)
+
+    @property
+    def has_cancelled(self) -> bool:
+        """Whether items were found cancelled since the last :meth:`take_cancelled`."""
+        return bool(self._cancelled)
+
     def take_cancelled(self) -> list[Pending]:
         """Remove and return the items found cancelled (client gone) since the last call.
 
@@ -242,7 +217,8 @@ class DynamicBatcher:
             limit = max(1, min(limit, self.row_cap))
         available = self._compatible_rows(head.shape_key, limit)
         regathering = now < self._regather_until
-        waited_out = now - head.arrival_s >= self.max_queue_delay_s and not regathering
+        # the same sum as next_wakeup's, so a timer fired at that time finds the batch due
+        waited_out = now >= head.arrival_s + self.max_queue_delay_s and not regathering
         full = available >= limit
         preferred_hit = bool(self.preferred) and available >= self.preferred[0]
         # As many rows as the last batch carried (or, while regathering, as are expected
@@ -300,17 +276,19 @@ class DynamicBatcher:
         Args:
             can_dispatch: Whether an instance is free; if not, only deadlines matter.
         """
-        times: list[float] = []
+        wake: float | None = None
         heap = self._deadlines
         while heap and not heap[0][2].queued:
             heapq.heappop(heap)
         if heap:
-            times.append(heap[0][0])
+            wake = heap[0][0]
         if can_dispatch:
             head = self._head()
             if head is not None:
-                times.append(max(head.arrival_s + self.max_queue_delay_s, self._regather_until))
-        return min(times) if times else None
+                due = max(head.arrival_s + self.max_queue_delay_s, self._regather_until)
+                if wake is None or due < wake:
+                    wake = due
+        return wake
 
     def drain(self) -> list[Pending]:
         """Remove and return every queued item (shutdown/unload)."""

@@ -16,7 +16,8 @@ postprocess thread; the scheduler hops them onto its event loop.
 An instance never decides what to do about a failed batch: it reports the error, already turned
 into a :class:`~gpuserve.errors.GpuserveError` (CUDA out-of-memory becomes
 :class:`~gpuserve.errors.OutOfMemoryError` after the allocator cache is freed), and whether
-splitting the batch could help. The scheduler retries halves (see ``scheduler.py``).
+splitting the batch could help. The scheduling core retries halves (see ``scheduling.py``).
+Stacking, the output checks and the split are the pure functions of ``assembly.py``.
 """
 
 from __future__ import annotations
@@ -26,54 +27,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from gpuserve.backends.base import Backend, LoadContext, RowErrors
 from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
-from gpuserve.engine.batcher import Batch
-from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.assembly import (
+    OutputMismatch,
+    OutputSpec,
+    check_outputs,
+    split_outputs,
+    stack_inputs,
+)
+from gpuserve.engine.batch import Batch, BatchResult
 from gpuserve.errors import BackendError, GpuserveError, OutOfMemoryError
 
+__all__ = ["BatchResult", "Instance", "resolve_pipeline_depth"]  # BatchResult: engine/batch.py
+
 logger = logging.getLogger(__name__)
-
-Outputs = dict[str, np.ndarray]
-
-
-@dataclass(slots=True)
-class BatchResult:
-    """What an instance reports for one batch.
-
-    Attributes:
-        batch: The batch that ran.
-        results: Per item of ``batch.items``: its outputs or its own error; empty when the whole
-            batch failed (see ``error``).
-        error: Set when the batch as a whole failed.
-        retryable: Whether running smaller parts of the batch could succeed (False for a model
-            that returns the wrong number of rows: that is the model's bug on any batch).
-        started_s / finished_s: Monotonic seconds, first stage start and last stage end.
-        preprocess_s / forward_s / postprocess_s: Stage durations, seconds.
-    """
-
-    batch: Batch
-    results: list[Outputs | GpuserveError] = field(default_factory=list)
-    error: GpuserveError | None = None
-    retryable: bool = True
-    started_s: float = 0.0
-    finished_s: float = 0.0
-    preprocess_s: float = 0.0
-    forward_s: float = 0.0
-    postprocess_s: float = 0.0
-    prepared: Any = None
-    raw: Any = None
-
-
-class _OutputMismatch(BackendError):
-    """Outputs do not fit the batch: not cured by splitting."""
 
 
 class Instance:
@@ -101,9 +73,8 @@ class Instance:
         self.config: ModelConfig = context.config
         self.on_done = on_done
         self.capacity = max(1, pipeline_depth)
-        self.in_flight = 0  # batches submitted and not yet reported; owned by the scheduler
-        self._batched = self.config.max_batch_size > 0
-        self._output_names = [o.name for o in self.config.outputs]
+        self.in_flight = 0  # batches submitted and not yet reported; counted by the scheduling core
+        self._outputs = OutputSpec.of(self.config)
         self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
         self._first: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -209,7 +180,7 @@ class Instance:
         job.started_s = t0 = time.monotonic()
         self._trace.begin("preprocess", job)
         try:
-            inputs = self._stack([item.request for item in job.batch.items])
+            inputs = stack_inputs(job.batch.items)
             job.prepared = self.backend.preprocess(inputs)
         except BaseException as err:
             self._fail(job, err)
@@ -285,8 +256,9 @@ class Instance:
         if job.error is None:
             try:
                 outputs = self.backend.postprocess(job.raw)
-                self._check_outputs(outputs, job.batch.rows)
-                job.results = self._split([item.request for item in job.batch.items], outputs)
+                check_outputs(self._outputs, outputs, job.batch.rows)
+                row_errors = outputs.errors if isinstance(outputs, RowErrors) else None
+                job.results = split_outputs(self._outputs, job.batch.items, outputs, row_errors)
             except BaseException as err:
                 self._fail(job, err)
         self._trace.end()
@@ -299,7 +271,7 @@ class Instance:
             logger.exception("instance %s: result callback failed", self.name)
 
     def _fail(self, job: BatchResult, err: BaseException) -> None:
-        job.retryable = not isinstance(err, _OutputMismatch)
+        job.retryable = not isinstance(err, OutputMismatch)
         job.error = self._to_error(err)
 
     def _to_error(self, err: BaseException) -> GpuserveError:
@@ -311,64 +283,15 @@ class Instance:
                 f"model '{self.config.name}' ran out of memory on {self.context.device}: "
                 f"{_describe(err)}"
             )
-        logger.error("instance %s: model raised %s", self.name, _describe(err))
-        return BackendError(f"model '{self.config.name}' failed: {_describe(err)}")
-
-    # -- batch assembly --------------------------------------------------------------------
-
-    def _stack(self, requests: list[InferenceRequest]) -> dict[str, np.ndarray]:
-        first = requests[0].inputs
-        if len(requests) == 1:
-            return first
-        return {name: np.concatenate([r.inputs[name] for r in requests], axis=0) for name in first}
-
-    def _check_outputs(self, outputs: Outputs, rows: int) -> None:
-        missing = [name for name in self._output_names if name not in outputs]
-        if missing:
-            raise _OutputMismatch(
-                f"model '{self.config.name}' did not return output(s) {missing}; "
-                f"it returned {sorted(outputs)}"
-            )
-        if not self._batched:
-            return
-        for name in self._output_names:
-            array = outputs[name]
-            got = array.shape[0] if array.ndim else None
-            if got != rows:
-                got_text = "a scalar" if got is None else f"{got} rows"
-                raise _OutputMismatch(
-                    f"model '{self.config.name}' returned {got_text} in output '{name}' "
-                    f"for a batch of {rows} rows"
-                )
-
-    def _split(
-        self, requests: list[InferenceRequest], outputs: Outputs
-    ) -> list[Outputs | GpuserveError]:
-        results: list[Outputs | GpuserveError] = []
-        row_errors = outputs.errors if isinstance(outputs, RowErrors) else None
-        offset = 0
-        for request in requests:
-            names = request.requested_outputs or self._output_names
-            end = offset + _rows(request, self._batched)
-            if row_errors:
-                failed = [row for row in range(offset, end) if row in row_errors]
-                if failed:
-                    results.append(self._row_error(failed[0] - offset, row_errors[failed[0]]))
-                    offset = end
-                    continue
-            if len(requests) == 1:
-                results.append({name: outputs[name] for name in names})
-            else:
-                results.append({name: outputs[name][offset:end] for name in names})
-            offset = end
-        return results
-
-    def _row_error(self, row: int, error: object) -> GpuserveError:
-        if isinstance(error, GpuserveError):
-            return error
-        return BackendError(
-            f"model '{self.config.name}' failed on row {row} of the request: {error}"
+        # The server log gets the whole traceback (the user's model code is in it); the
+        # answer carries only the one-line description.
+        logger.error(
+            "instance %s: model raised %s",
+            self.name,
+            _describe(err),
+            exc_info=(type(err), err, err.__traceback__),
         )
+        return BackendError(f"model '{self.config.name}' failed: {_describe(err)}")
 
 
 def resolve_pipeline_depth(config: ModelConfig, device: str) -> int:
@@ -378,12 +301,6 @@ def resolve_pipeline_depth(config: ModelConfig, device: str) -> int:
     if depth:
         return depth
     return 3 if device.startswith("cuda") else 1
-
-
-def _rows(request: InferenceRequest, batched: bool) -> int:
-    if not batched:
-        return 1
-    return next(iter(request.inputs.values())).shape[0]
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

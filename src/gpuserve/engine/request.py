@@ -69,6 +69,9 @@ class InferenceResponse:
         outputs: Output name -> array, rows of this request only (batch dimension first when
             the model batches). Only the requested outputs are present.
         timing: Queue and compute time.
+        rows: The request's batch-dimension size (1 for a model without batching), as the
+            engine counted it at admission; 0 for a response built outside the engine that
+            did not say.
     """
 
     model_name: str
@@ -76,3 +79,4 @@ class InferenceResponse:
     id: str | None
     outputs: dict[str, np.ndarray]
     timing: RequestTiming = field(default_factory=RequestTiming)
+    rows: int = 0

@@ -21,16 +21,26 @@ class Duration:
     ns: int = 0
 
     def add(self, seconds: float, count: int = 1) -> None:
+        """Add ``count`` events that took ``seconds`` in all (seconds, float)."""
         self.count += count
         self.ns += int(seconds * 1e9)
 
     def as_dict(self) -> dict[str, int]:
+        """``{"count": events, "ns": nanoseconds}``, as the statistics extension writes it."""
         return {"count": self.count, "ns": self.ns}
 
 
 @dataclass(slots=True)
 class BatchStats:
-    """One executed batch. Times in seconds."""
+    """One executed batch.
+
+    Attributes:
+        model / version: The model version that ran it.
+        batch_size: Rows in the batch (the sum of its requests' rows).
+        requests: Requests in the batch.
+        preprocess_s / forward_s / postprocess_s: Stage durations, seconds.
+        ok: False when the batch as a whole failed (its requests may be retried in halves).
+    """
 
     model: str
     version: str
@@ -44,7 +54,16 @@ class BatchStats:
 
 @dataclass(slots=True)
 class RequestStats:
-    """One finished request. ``reason`` is None on success, else the error's reason."""
+    """One finished request (or one refused at admission, with ``rows`` 0).
+
+    Attributes:
+        model / version: The model version that answered it.
+        rows: Its batch-dimension size.
+        queue_s: Admission to the start of its batch (all of its time if it never ran), s.
+        compute_s: Its batch's execution time, seconds (0 if it never ran).
+        total_s: Admission to its answer, seconds.
+        reason: None on success, else the error's ``reason`` (``timeout``, ``cancelled``...).
+    """
 
     model: str
     version: str
@@ -89,6 +108,7 @@ class ModelStats:
     listeners: list[StatsListener] = field(default_factory=list)
 
     def record_batch(self, event: BatchStats) -> None:
+        """Count one executed batch (``event.batch_size`` rows) and tell the listeners."""
         self.execution_count += 1
         self.compute_input.add(event.preprocess_s)
         self.compute_infer.add(event.forward_s)
@@ -103,6 +123,8 @@ class ModelStats:
             listener(event)
 
     def record_request(self, event: RequestStats) -> None:
+        """Count one finished request: its rows as inferences and its total and queue time on
+        success, its total time and reason on failure; then tell the listeners."""
         if event.reason is None:
             self.inference_count += event.rows
             self.success.add(event.total_s)

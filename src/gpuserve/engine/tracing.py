@@ -12,9 +12,12 @@ no-op costing a method call, and torch's NVTX module is never touched (CPU build
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterable
 from typing import Any
+
+from gpuserve.engine.batch import BatchResult, Pending
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +29,8 @@ def _load_nvtx() -> Any:
     global _nvtx
     if _nvtx is None:
         try:
-            import torch.cuda.nvtx as nvtx
-
+            # torch's NVTX functions are untyped: held as Any
+            nvtx: Any = importlib.import_module("torch.cuda.nvtx")
             nvtx.range_push("gpuserve")  # raises on builds without NVTX
             nvtx.range_pop()
             _nvtx = nvtx
@@ -51,8 +54,8 @@ class StageTracer:
         self.label = label
         self.nvtx = _load_nvtx() if device.startswith("cuda") else None
 
-    def begin(self, stage: str, job: Any) -> None:
-        """Open the range of ``stage`` for ``job`` (a BatchResult) on this thread; the
+    def begin(self, stage: str, job: BatchResult) -> None:
+        """Open the range of ``stage`` for ``job`` on this thread; the
         preprocess stage also closes the queue ranges of the batch's requests."""
         if self.nvtx is None:
             return
@@ -67,13 +70,13 @@ class StageTracer:
             self.nvtx.range_pop()
 
 
-def queue_enter(item: Any, label: str) -> None:
+def queue_enter(item: Pending, label: str) -> None:
     """A request entered the queue (event loop thread)."""
     if _nvtx is not None:
         _queue_ranges[id(item)] = _nvtx.range_start(f"{label} queue")
 
 
-def queue_exit(items: Iterable[Any]) -> None:
+def queue_exit(items: Iterable[Pending]) -> None:
     """Requests left the queue: their batch starts, or they expired or were cancelled."""
     if _nvtx is None:
         return

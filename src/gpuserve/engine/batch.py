@@ -1,0 +1,97 @@
+"""The engine's units of work: a queued request, a batch of them, and what an instance reports.
+
+These are plain typed records passed between the scheduling core (event-loop thread) and the
+instances (their own threads); none of them does anything. Every time is seconds on the
+scheduler's monotonic clock except :class:`BatchResult`'s, which the instance threads take from
+``time.monotonic``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.errors import GpuserveError
+
+#: Output name -> array, as a backend's ``postprocess`` returns them (batch dimension first
+#: when the model batches).
+Outputs = dict[str, np.ndarray]
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    """One admitted request, from admission until it is answered (the scheduler's handle on it).
+
+    Compared and hashed by identity, so a driver can map it to its own waiter (a future).
+
+    Attributes:
+        request: The validated request.
+        rows: Its batch-dimension size, counted once at admission (1 for models without
+            batching); batch assembly splits outputs by it.
+        shape_key: Hashable description of its non-batch input shapes; only equal keys batch.
+        arrival_s: Admission time, seconds.
+        deadline_s: Queue deadline, seconds, or None.
+        priority: Level, 1 = served first.
+        queued: True while in the batcher's queue.
+        outcome: Set when the request is finished: its response, or the error it failed with.
+    """
+
+    request: InferenceRequest
+    rows: int
+    shape_key: Hashable
+    arrival_s: float
+    deadline_s: float | None = None
+    priority: int = 1
+    queued: bool = False
+    outcome: InferenceResponse | GpuserveError | None = None
+
+
+@dataclass(slots=True)
+class Batch:
+    """Requests that run together, in order.
+
+    Attributes:
+        items: The requests; their inputs are stacked in this order along the batch dimension.
+        rows: Sum of the items' rows.
+        formed_s: When the batch was formed, seconds.
+        seq: Dispatch number, set by the scheduling core when the batch goes to an instance
+            (unique per core; 0 before dispatch). The core finds its in-flight record by it.
+    """
+
+    items: list[Pending]
+    rows: int
+    formed_s: float = 0.0
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What an instance reports for one batch.
+
+    Attributes:
+        batch: The batch that ran.
+        results: Per item of ``batch.items``: its outputs or its own error; empty when the whole
+            batch failed (see ``error``).
+        error: Set when the batch as a whole failed.
+        retryable: Whether running smaller parts of the batch could succeed (False for a model
+            that returns the wrong outputs or rows: that is the model's bug on any batch).
+        started_s / finished_s: Monotonic seconds, first stage start and last stage end.
+        preprocess_s / forward_s / postprocess_s: Stage durations, seconds.
+        prepared: What the backend's ``preprocess`` returned, until ``forward`` took it.
+        raw: What the backend's ``forward`` returned, until ``postprocess`` took it.
+    """
+
+    batch: Batch
+    results: list[Outputs | GpuserveError] = field(default_factory=list)
+    error: GpuserveError | None = None
+    retryable: bool = True
+    started_s: float = 0.0
+    finished_s: float = 0.0
+    preprocess_s: float = 0.0
+    forward_s: float = 0.0
+    postprocess_s: float = 0.0
+    prepared: object = None
+    raw: object = None
