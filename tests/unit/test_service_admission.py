@@ -189,3 +189,11 @@ def test_the_cancellation_probe_reaches_the_request_and_submit_queues_it(canarie
         assert two.scheduler.in_flight_requests == 1
 
     asyncio.run(queue_it())
+
+
+def test_without_a_canary_the_id_is_never_read():
+    one = version(1, 8)
+    service = service_with(Route(one), one)
+    wire = SpyWire(fail="id")  # would fail if read
+    admission = service.admit("m", None, wire)
+    assert wire.calls == ["decode"] and admission.version == "1"

@@ -15,6 +15,7 @@ never turns a serving server unready, and an empty server is never ready (BC-16,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NoReturn
 
 from gpuserve.engine.scheduler import ModelScheduler
@@ -102,6 +103,17 @@ class Router:
         if route is None or route.canary is None or route.default is not mv:
             return mv
         chosen = route.pick(request_id)
+        return chosen if chosen is not None and chosen.state is VersionState.READY else mv
+
+    def canary_split(self, mv: ModelVersion, request_id: Callable[[], str | None]) -> ModelVersion:
+        """:meth:`split`, reading the request id (``request_id()``, which may raise) only when
+        ``mv``'s model has a canary in its route: the request path of a model without one
+        pays for no id."""
+        model = self.models.get(mv.model)
+        route = model.route if model is not None else None
+        if route is None or route.canary is None or route.default is not mv:
+            return mv
+        chosen = route.pick(request_id())
         return chosen if chosen is not None and chosen.state is VersionState.READY else mv
 
     def scheduler(self, name: str, version: str | None) -> ModelScheduler:

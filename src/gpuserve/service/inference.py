@@ -47,8 +47,8 @@ class WireRequest(Protocol):
     """One inference request as a front end received it, not yet decoded.
 
     Implemented by the protocol codecs (the HTTP body with its JSON header, the gRPC
-    ``ModelInferRequest``); the service calls :meth:`request_id` first (to route a canary),
-    then :meth:`decode` with the routed version's configuration.
+    ``ModelInferRequest``); the service calls :meth:`request_id` first when the model has a
+    canary (to route the request), then :meth:`decode` with the routed version's configuration.
     """
 
     def request_id(self) -> str | None:
@@ -150,7 +150,8 @@ class InferenceService:
             GpuserveError: why the request is refused (already counted).
         """
         try:
-            check_version_label(model, version)
+            if version is not None:
+                check_version_label(model, version)
             mv = self.manager.version(model, version)
         except GpuserveError as err:
             self.record_unrouted(model, version, err.reason)
@@ -159,7 +160,7 @@ class InferenceService:
         assert scheduler is not None
         try:
             if version is None:  # a canary may take it, by a hash of its id
-                routed = self.manager.split(mv, wire.request_id())
+                routed = self.manager.canary_split(mv, wire.request_id)
                 if routed is not mv and routed.scheduler is not None:
                     mv, scheduler = routed, routed.scheduler
             request = wire.decode(mv.config, model, version)
