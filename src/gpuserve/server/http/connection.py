@@ -46,6 +46,14 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
+from gpuserve.server.http.encoding import (
+    MIN_COMPRESS_BYTES,
+    BodyRefused,
+    answer_coding,
+    decode_body,
+    encode_body,
+)
+
 logger = logging.getLogger(__name__)
 
 Headers = list[tuple[bytes, bytes]]
@@ -82,6 +90,7 @@ class HttpRequest:
 
     __slots__ = (
         "access",
+        "answer_coding",
         "answered",
         "body",
         "connection",
@@ -116,6 +125,7 @@ class HttpRequest:
         self.started_s = time.monotonic()
         self.access: Any = None
         self.answered = False
+        self.answer_coding: bytes | None = None  # gzip/deflate: compress the answer
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case), or None."""
@@ -227,6 +237,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._too_large = False
         self._began = False  # a message began during the current read
         self._upgrade = False  # the message being parsed carries an Upgrade header
+        self._coding: bytes | None = None  # its Content-Encoding
+        self._accept: bytes | None = None  # its Accept-Encoding
         self._read_view = read_buffer or memoryview(bytearray(_READ_BUFFER))
         self._in_head = True
         self._head_bytes = 0
@@ -313,6 +325,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._body_size = 0
         self._too_large = False
         self._upgrade = False
+        self._coding = None
+        self._accept = None
         self._in_head = True
         self._began = True
         self._head_bytes = 0
@@ -347,6 +361,10 @@ class HttpConnection(asyncio.BufferedProtocol):
                 expect = True
             elif name == b"upgrade":
                 self._upgrade = True
+            elif name == b"content-encoding":
+                self._coding = value
+            elif name == b"accept-encoding":
+                self._accept = value
         if self._upgrade and has_body:
             # llhttp hands no body on after an Upgrade header; refuse rather than run the
             # request without it.
@@ -394,6 +412,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         )
         self._body_buffer = None
         self._body_first = b""
+        error = None
+        if self._coding is not None:
+            try:
+                body = decode_body(self._coding, body, self.max_body_bytes)
+            except BodyRefused as refused:
+                error = (refused.status, refused.message)
         request = HttpRequest(
             self,
             self.parser.get_method().decode("ascii"),
@@ -402,7 +426,10 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._headers,
             body,
             self.parser.should_keep_alive() and not self._upgrade,
+            error,
         )
+        if self._accept is not None:
+            request.answer_coding = answer_coding(self._accept)
         self._enqueue(request)
 
     def _body_too_large(self, message: str) -> None:
@@ -450,6 +477,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.closed or transport is None or transport.is_closing():
             return
         keep_alive = request.keep_alive and not self.closing
+        coding = request.answer_coding
+        if coding is not None and len(body) >= MIN_COMPRESS_BYTES and request.method != "HEAD":
+            body = encode_body(coding, body)
+            headers = (*headers, (b"content-encoding", coding), (b"vary", b"accept-encoding"))
         parts = [
             _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode(),
             b"content-type: ",
