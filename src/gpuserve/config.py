@@ -11,22 +11,20 @@ the value given and what is allowed.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gpuserve.config_keys import unknown_key_hint
 from gpuserve.datatypes import Datatype
 from gpuserve.errors import ConfigError
 
@@ -275,6 +273,60 @@ class HuggingFaceConfig(_Strict):
     normalize: bool | None = None
 
 
+class EmbeddingConfig(_Strict):
+    """Serve the model on the OpenAI-compatible embeddings API (``POST /v1/embeddings``,
+    ``GET /v1/models``): which tensors carry the text and the embedding.
+
+    Automatic (no section needed) for the ``huggingface`` backend's ``feature-extraction``
+    task; any other model opts in with this section (the default ``text_embedding`` does).
+    A request of N inputs is served as N rows of ``text_input`` (or ``token_ids_input``),
+    split into requests of at most ``max_batch_size`` rows that are batched with V2 traffic.
+
+    Attributes:
+        enabled: False keeps the model off the embeddings API (e.g. a feature-extraction
+            model that should be served over V2 only).
+        text_input: The BYTES input taking one UTF-8 text per row (shape ``[1]`` or ``[]``);
+            None for a model that takes token ids only.
+        token_ids_input: An INT64 or INT32 input of shape ``[-1]`` taking one sequence of
+            token ids per row, or None: requests sending token ids are refused (400).
+        output: The FP32 (or FP16/FP64) output holding one embedding per row, shape
+            ``[width]``.
+        dimensions: Widths the embedding may be cut to (Matryoshka models: the first N
+            values), each at most ``width``; a request's ``dimensions`` must be one of them
+            or the full width. Empty: the model refuses ``dimensions`` (400).
+        normalize_truncated: L2-normalise a cut embedding (as OpenAI's ``dimensions``
+            does); False returns the first N values as computed.
+        token_counts: How ``usage.prompt_tokens`` is obtained: ``model`` calls the
+            model's ``count_tokens(texts) -> list[int]`` (tokens per text after truncation,
+            run at admission off the event loop; the default repository's model and the
+            huggingface backend have one); ``none`` reports 0 tokens for text inputs. Token-id
+            inputs count their ids either way.
+    """
+
+    enabled: bool = True
+    text_input: str | None = "TEXT"
+    token_ids_input: str | None = None
+    output: str = Field(default="EMBEDDING", min_length=1)
+    dimensions: list[int] = Field(default_factory=list)
+    normalize_truncated: bool = True
+    token_counts: Literal["model", "none"] = "model"
+
+    @model_validator(mode="after")
+    def _check(self) -> EmbeddingConfig:
+        if self.text_input is None and self.token_ids_input is None:
+            raise ValueError("set text_input, token_ids_input or both (both are null)")
+        if self.text_input is not None and self.text_input == self.token_ids_input:
+            raise ValueError(
+                f"text_input and token_ids_input must differ, both are {self.text_input!r}"
+            )
+        for width in self.dimensions:
+            if width < 1:
+                raise ValueError(f"dimensions must be >= 1, got {width}")
+        if len(set(self.dimensions)) != len(self.dimensions):
+            raise ValueError(f"dimensions must not repeat, got {self.dimensions}")
+        return self
+
+
 class ModelConfig(_Strict):
     """A model's ``config.yaml``.
 
@@ -302,6 +354,14 @@ class ModelConfig(_Strict):
         parameters: Free-form values handed to the model at load.
         onnx: ONNX Runtime session settings (backend ``onnx`` only).
         huggingface: Model folder and task (backend ``huggingface`` only).
+        embedding: Serve it on the OpenAI embeddings API (see ``EmbeddingConfig``); None:
+            only where automatic (huggingface ``feature-extraction``).
+        pinned: Never evicted to make room for another model (``--max-loaded-models``,
+            ``--loaded-models-memory-bytes``) nor unloaded when idle; with
+            ``--load-on-demand`` it is loaded at start.
+        idle_unload_s: Unload the model after this many seconds without a request (scale
+            to zero within the process); its next request loads it again. None: the
+            server's ``idle_unload_s``; 0: never.
     """
 
     name: str | None = None
@@ -319,6 +379,9 @@ class ModelConfig(_Strict):
     parameters: dict[str, Any] = Field(default_factory=dict)
     onnx: OnnxConfig = Field(default_factory=OnnxConfig)
     huggingface: HuggingFaceConfig = Field(default_factory=HuggingFaceConfig)
+    embedding: EmbeddingConfig | None = None
+    pinned: bool = False
+    idle_unload_s: float | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -343,12 +406,77 @@ class ModelConfig(_Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_embedding(self) -> ModelConfig:
+        # Checked here against declared tensors; tensors a backend fills in at load
+        # (huggingface) are checked when the embeddings API resolves the served config.
+        if self.embedding is not None and self.embedding.enabled:
+            problem = embedding_problem(self, self.embedding)
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
     def input(self, name: str) -> TensorSpec | None:
         """The declared input called ``name``, or None."""
         for spec in self.inputs:
             if spec.name == name:
                 return spec
         return None
+
+
+_EMBEDDING_DATATYPES = ("FP32", "FP16", "FP64")
+_TOKEN_ID_DATATYPES = ("INT64", "INT32")
+
+
+def embedding_problem(config: ModelConfig, embedding: EmbeddingConfig) -> str | None:
+    """What is wrong with ``embedding`` for ``config``'s tensors, or None when it fits.
+
+    Inputs and outputs are checked only when declared (a backend may fill them in at load):
+    ``text_input`` BYTES ``[1]`` or ``[]``; ``token_ids_input`` INT64/INT32 ``[-1]``; any
+    other input optional (the API sends only one); ``output`` FP32/FP16/FP64 ``[width]``
+    with every ``dimensions`` entry at most ``width``.
+    """
+    where = "embedding"
+    if config.inputs:
+        used = [n for n in (embedding.text_input, embedding.token_ids_input) if n is not None]
+        for name, datatypes, shapes in (
+            (embedding.text_input, ("BYTES",), ([1], [])),
+            (embedding.token_ids_input, _TOKEN_ID_DATATYPES, ([-1],)),
+        ):
+            if name is None:
+                continue
+            spec = config.input(name)
+            if spec is None:
+                names = [t.name for t in config.inputs]
+                return f"{where}: input {name!r} is not declared (inputs: {names})"
+            if spec.datatype not in datatypes or spec.shape not in shapes:
+                return (
+                    f"{where}: input {name!r} is {spec.datatype} {spec.shape}; it must be "
+                    f"{' or '.join(datatypes)} with shape {' or '.join(map(str, shapes))}"
+                )
+            if len(used) > 1 and not spec.optional:
+                return f"{where}: input {name!r} must be optional (a request sends text or ids)"
+        required = [t.name for t in config.inputs if not t.optional and t.name not in used]
+        if required:
+            return (
+                f"{where}: inputs {required} are required, but the embeddings API sends only "
+                f"{used}: declare them optional"
+            )
+    if config.outputs:
+        out = next((t for t in config.outputs if t.name == embedding.output), None)
+        if out is None:
+            names = [t.name for t in config.outputs]
+            return f"{where}: output {embedding.output!r} is not declared (outputs: {names})"
+        if out.datatype not in _EMBEDDING_DATATYPES or len(out.shape) != 1:
+            return (
+                f"{where}: output {out.name!r} is {out.datatype} {out.shape}; it must be "
+                f"{'/'.join(_EMBEDDING_DATATYPES)} with shape [width]"
+            )
+        width = out.shape[0]
+        too_wide = [d for d in embedding.dimensions if width != -1 and d > width]
+        if too_wide:
+            return f"{where}: dimensions {too_wide} exceed the width {width} of {out.name!r}"
+    return None
 
 
 def _format_validation_error(path: Path, err: ValidationError) -> str:
@@ -360,6 +488,8 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
         if len(given_text) > 80:
             given_text = given_text[:77] + "..."
         msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":  # a typo: name the nearest valid key
+            msg += unknown_key_hint(ModelConfig, item["loc"])
         lines.append(f"  field '{loc}': {msg} (given: {given_text})")
     return "\n".join(lines)
 
@@ -402,119 +532,6 @@ def load_model_config(path: Path) -> ModelConfig:
     return parse_model_config(data, path, path.parent.name)
 
 
-def default_model_repository() -> Path:
-    """The repository shipped inside the package (``text_embedding`` and ``simple``)."""
-    return Path(__file__).resolve().parent / "default_repository"
-
-
-class ServerConfig(BaseSettings):
-    """Process-wide settings; each field can be set as ``GPUSERVE_<FIELD>`` or a CLI flag.
-
-    Attributes:
-        model_repository: Folder of models; defaults to the embedded repository.
-        host: Address the HTTP server binds.
-        http_port: HTTP port (KServe V2 REST).
-        grpc_port: gRPC port (KServe V2 ``inference.GRPCInferenceService`` and the standard
-            health service); 0 = a free port; -1 = no gRPC listener.
-        log_level: ``debug``, ``info``, ``warning`` or ``error``.
-        metrics_port: Port of a separate Prometheus ``/metrics`` listener on ``host``
-            (0 = a free port; negative or None = none: ``/metrics`` only on the HTTP port).
-        log_format: ``text`` lines, or ``json``: one JSON object per line.
-        access_log: Log one line per HTTP request (logger ``gpuserve.access``, INFO).
-        shutdown_timeout_s: On SIGTERM, how long queued and running requests may finish.
-        max_request_body_bytes: Larger request bodies are refused with 413.
-        model_control_mode: ``none`` loads every model at start and never changes them;
-            ``explicit`` loads only ``load_model`` at start, then what the repository API
-            loads and unloads; ``poll`` loads every model at start, then applies repository
-            changes every ``repository_poll_interval_s``.
-        load_model: Models to load at start in ``explicit`` mode (``*`` = all).
-        repository_poll_interval_s: Seconds between repository scans in ``poll`` mode.
-        unload_timeout_s: How long a version that is unloaded or replaced may take to finish
-            its queued and running requests before the rest get 503.
-        strict_readiness: False: ready when at least one model version is READY. True: ready
-            only when every model required at start (or loaded since) has a READY version.
-        disable_management: Refuse the repository's load/unload/rollback/canary endpoints
-            (403); the index stays readable.
-        management_token: When set, those endpoints need ``Authorization: Bearer <token>``
-            (401 without it); setting it also enables them.
-        trace_dir: Where ``POST /v2/repository/models/{m}/trace`` writes ``torch.profiler``
-            traces (one sub-folder per call).
-        enable_management: Enable those endpoints in ``none`` mode. They are off unless
-            enabled: by this, by a management token, or by ``explicit``/``poll`` mode
-            (see :attr:`management_enabled`); ``disable_management`` always wins.
-        api_token: When set, every endpoint except health (``/v2/health/live``,
-            ``/v2/health/ready``, gRPC ServerLive/ServerReady and ``grpc.health.v1``),
-            ``/metrics`` and ``/v2/openapi.json`` needs ``Authorization: Bearer <token>``
-            (HTTP 401, gRPC UNAUTHENTICATED without it).
-        tls_cert_file: PEM certificate (chain) for HTTPS and gRPC over TLS; needs
-            ``tls_key_file``. None: plain HTTP and gRPC.
-        tls_key_file: PEM private key of ``tls_cert_file``.
-        max_header_bytes: Longest request line plus headers of one HTTP request (431 beyond),
-            and the gRPC metadata limit.
-        max_tensor_elements: Most elements in one input tensor (400 beyond, checked on the
-            shape before any data is read).
-        max_bytes_element_bytes: Longest element of a BYTES input, bytes (400 beyond).
-        http_keep_alive_timeout_s: An HTTP connection idle this many seconds is closed
-            (0: never). Keep it above the idle timeout of any proxy in front (nginx keeps
-            upstream connections 60 s), or the proxy may reuse a connection being closed.
-    """
-
-    model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
-
-    model_repository: Path = Field(default_factory=default_model_repository)
-    host: str = "0.0.0.0"
-    http_port: int = Field(default=8000, ge=0, le=65535)
-    grpc_port: int = Field(default=8001, ge=-1, le=65535)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    metrics_port: int | None = Field(default=8002, le=65535)
-    log_format: Literal["text", "json"] = "text"
-    access_log: bool = False
-    shutdown_timeout_s: float = Field(default=30.0, ge=0)
-    max_request_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
-    model_control_mode: Literal["none", "explicit", "poll"] = "none"
-    load_model: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    repository_poll_interval_s: float = Field(default=15.0, gt=0)
-    unload_timeout_s: float = Field(default=30.0, ge=0)
-    strict_readiness: bool = False
-    disable_management: bool = False
-    management_token: SecretStr | None = None
-    trace_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "gpuserve-traces")
-    enable_management: bool = False
-    api_token: SecretStr | None = None
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
-    max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
-    max_bytes_element_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
-    http_keep_alive_timeout_s: float = Field(default=75.0, ge=0)
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> ServerConfig:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError(
-                f"tls_cert_file ({self.tls_cert_file}) and tls_key_file ({self.tls_key_file}) "
-                "go together: give both or neither"
-            )
-        return self
-
-    @property
-    def management_enabled(self) -> bool:
-        """Whether the repository's load/unload/rollback/canary endpoints are on: off unless
-        enabled (``enable_management``, a ``management_token``, or ``explicit``/``poll``
-        mode, where the operator asked for a changing repository); ``disable_management``
-        always turns them off."""
-        if self.disable_management:
-            return False
-        return (
-            self.enable_management
-            or self.management_token is not None
-            or self.model_control_mode != "none"
-        )
-
-    @field_validator("load_model", mode="before")
-    @classmethod
-    def _split_names(cls, value: Any) -> Any:
-        # GPUSERVE_LOAD_MODEL=a,b (the environment) as well as a list (flags, code).
-        if isinstance(value, str):
-            return [name.strip() for name in value.split(",") if name.strip()]
-        return value
+# The server's settings live in gpuserve.settings; importable from here as before.
+from gpuserve.settings import ServerConfig as ServerConfig  # noqa: E402
+from gpuserve.settings import default_model_repository as default_model_repository  # noqa: E402

@@ -167,7 +167,7 @@ def test_format_metadata_is_the_same(client, fmt):
 
 
 def test_onnx_config_is_completed_from_the_graph(client, module):
-    config = client.get("/v2/models/auto_onnx/config").json()
+    config = client.get("/v2/models/auto_onnx/config/gpuserve").json()
     assert config["backend"] == "onnx"
     assert config["max_batch_size"] == 8
     assert [(t["name"], t["datatype"], t["shape"]) for t in config["inputs"]] == [
@@ -184,7 +184,7 @@ def test_onnx_config_is_completed_from_the_graph(client, module):
 
 
 def test_export_config_is_completed_from_the_program(client, module):
-    config = client.get("/v2/models/auto_export/config").json()
+    config = client.get("/v2/models/auto_export/config/gpuserve").json()
     assert config["max_batch_size"] == 4  # declared; the program allows up to 8
     # Inputs are named after forward's arguments; a single tensor result is OUTPUT0.
     assert [(t["name"], t["datatype"], t["shape"]) for t in config["inputs"]] == [
@@ -199,7 +199,7 @@ def test_export_config_is_completed_from_the_program(client, module):
 
 
 def test_fixed_batch_graph_completes_to_no_batching(client, module):
-    config = client.get("/v2/models/auto_fixed_onnx/config").json()
+    config = client.get("/v2/models/auto_fixed_onnx/config/gpuserve").json()
     assert config["max_batch_size"] == 0
     assert config["inputs"][0]["shape"] == [2, 8]
     data = rows(2, seed=9)

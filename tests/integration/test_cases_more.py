@@ -66,7 +66,7 @@ def wait_running(server, model: str, deadline_s: float = 10.0) -> None:
 
 def test_bc12_the_unit_is_in_the_config_key_and_its_echo(client):
     """The JSON keys; the values over both protocols are in ``test_frontends_views.py``."""
-    config = client.get(f"/v2/models/{QUEUE_TIMEOUT_MODEL}/config").json()
+    config = client.get(f"/v2/models/{QUEUE_TIMEOUT_MODEL}/config/gpuserve").json()
     assert config["dynamic_batching"]["default_timeout_us"] == 300_000
     assert all(
         not key.endswith(("_ms", "_s")) or key.endswith("_us")

@@ -86,7 +86,7 @@ def test_load_and_unload_need_the_management_token(repository, frontend_kind):
         error = refused(lambda: admin.load("nope"))
         assert (error.status, error.message) == (
             Status.NOT_FOUND,
-            "no model 'nope' in the repository <model repository>",
+            "failed to load 'nope': no model 'nope' in the repository <model repository>",
         )
         error = refused(lambda: admin.load("..x"))
         assert error.status == Status.INVALID_ARGUMENT
@@ -186,9 +186,10 @@ def test_a_load_may_carry_a_configuration_in_its_unit(token_server, frontend_kin
         )
         assert error.status == Status.INVALID_ARGUMENT
         assert error.message == (
-            "<load request for small>: invalid model configuration (1 error(s))\n"
-            "  field 'dynamic_batching.default_timeout_ms': Extra inputs are not permitted "
-            "(given: 200)"
+            "failed to load 'small': <load request for small>: invalid model configuration "
+            "(1 error(s))\n"
+            "  field 'dynamic_batching.default_timeout_ms': Extra inputs are not permitted; "
+            "did you mean 'default_timeout_us'? (given: 200)"
         )
         assert user.config("small").default_timeout_us == 200  # the refused load changed nothing
         assert user.infer("small", DATA).outputs["OUTPUT0"].tolist() == [[2.0] * 16]

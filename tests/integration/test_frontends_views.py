@@ -23,7 +23,9 @@ from tests.integration.frontends import (
 
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "model_repository")
 MODELS = ", ".join(sorted(p.name for p in FIXTURE_REPOSITORY.iterdir() if p.is_dir()))
-UNKNOWN_MODEL = f"unknown model 'nope' (models in the repository: {MODELS})"
+UNKNOWN_MODEL = (
+    f"Request for unknown model: 'nope' is not found (models in the repository: {MODELS})"
+)
 ROW = np.arange(16, dtype=np.float32)[None]
 
 

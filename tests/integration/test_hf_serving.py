@@ -55,7 +55,7 @@ def infer(server, model: str, texts: list[str]) -> dict[str, dict]:
 
 
 def test_config_is_completed_from_the_folder(server):
-    config = httpx.get(f"{server.url}/v2/models/classifier/config").json()
+    config = httpx.get(f"{server.url}/v2/models/classifier/config/gpuserve").json()
     assert [(t["name"], t["datatype"], t["shape"]) for t in config["inputs"]] == [
         ("TEXT", "BYTES", [1])
     ]

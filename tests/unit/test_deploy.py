@@ -645,3 +645,32 @@ def test_scale_out_nginx_config_retries_infer_on_the_next_replica(tmp_path: Path
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
+
+
+def test_many_models_overlay_loads_on_demand_within_limits() -> None:
+    """Issue 18: the many-models-on-one-GPU example sets settings the server has."""
+    from gpuserve.config import ServerConfig
+
+    objects = render(K8S / "overlays" / "many-models-gpu")
+    env = config_env(objects)
+    assert env["GPUSERVE_LOAD_ON_DEMAND"] == "true"
+    settings = {k.removeprefix("GPUSERVE_").lower(): v for k, v in env.items()}
+    for key in ("load_on_demand", "max_loaded_models", "loaded_models_memory_bytes"):
+        assert key in ServerConfig.model_fields and key in settings, key
+    config = ServerConfig(**{k: settings[k] for k in settings if k in ServerConfig.model_fields})
+    assert config.load_on_demand and config.max_loaded_models > 0
+    container = server_container(one(objects, "Deployment"))
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_serverless_inference_service_scales_to_zero() -> None:
+    from gpuserve.config import ServerConfig
+
+    (isvc,) = render(DEPLOY / "kserve" / "serverless")
+    assert isvc["kind"] == "InferenceService"
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Serverless"
+    assert isvc["spec"]["predictor"]["minReplicas"] == 0
+    env = {e["name"]: e["value"] for e in isvc["spec"]["predictor"]["model"]["env"]}
+    assert env["GPUSERVE_LOAD_ON_DEMAND"] == "true"
+    for name in env:
+        assert name.removeprefix("GPUSERVE_").lower() in ServerConfig.model_fields, name

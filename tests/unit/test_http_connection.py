@@ -11,7 +11,8 @@ import numpy as np
 
 from gpuserve.config import ModelConfig
 from gpuserve.protocol.http_codec import decode_infer_request
-from gpuserve.server.http.connection import HttpConnection, HttpRequest
+from gpuserve.server.http.connection import HttpConnection
+from gpuserve.server.http.request import HttpRequest
 
 
 class FakeTransport(asyncio.Transport):

@@ -1,4 +1,10 @@
-"""Execution backends. :func:`create_backend` maps a config's ``backend`` name to a class."""
+"""Execution backends. :func:`create_backend` maps a config's ``backend`` name to a class.
+
+Triton's platforms map onto these when a ``config.pbtxt`` is read
+(:data:`gpuserve.repository.triton_config.PLATFORMS`): ``onnxruntime_onnx`` / ``onnxruntime``
+-> ``onnx``, ``pytorch_libtorch`` / ``pytorch`` -> ``torch`` (TorchScript ``model.pt``),
+``python`` -> ``python`` (a ``Model`` class or Triton's ``TritonPythonModel``).
+"""
 
 from __future__ import annotations
 
@@ -14,9 +20,10 @@ def backend_class(name: str) -> type[Backend]:
         ValueError: unknown backend name (config validation normally catches this first).
     """
     if name == "python":
-        from gpuserve.backends.python import PythonBackend
+        # gpuserve's ``Model`` class, or Triton's ``TritonPythonModel``, by what model.py has.
+        from gpuserve.backends.triton_python.backend import PythonModelBackend
 
-        return PythonBackend
+        return PythonModelBackend
     if name == "torch":
         from gpuserve.backends.torch_backend import TorchBackend
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.backends.optional import library_lock, require
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
 from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.models.sentence_embedding import decode_texts
@@ -63,15 +64,24 @@ _DEFAULT_MAX_LENGTH = 512
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
 
 
+#: The names of ``transformers`` this backend uses, resolved under the import lock (its
+#: top-level module builds them lazily, which is not thread-safe: BC-35).
+_TRANSFORMERS_NAMES = (
+    "AutoTokenizer",
+    "AutoModel",
+    "AutoModelForSequenceClassification",
+    "utils.logging",
+)
+
+
 def import_transformers() -> Any:
-    """``transformers``, or a ConfigError saying how to install it."""
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(
-            "backend 'huggingface' needs transformers: pip install 'gpuserve[huggingface]'"
-        ) from None
-    return transformers
+    """``transformers`` with the names this backend uses resolved (thread-safe, see
+    :mod:`gpuserve.backends.optional`).
+
+    Raises:
+        MissingDependencyError: transformers is not installed (the message names the extra).
+    """
+    return require("transformers", "backend 'huggingface'", _TRANSFORMERS_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +280,7 @@ class HuggingFaceBackend(Backend):
         self.multi_label = False
         self._input_names: list[str] = []
         self._pin = False
+        self._counter: Any = None
 
     @classmethod
     def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
@@ -292,34 +303,20 @@ class HuggingFaceBackend(Backend):
         self.pooling, self.normalize = _pooling(hf.pooling, hf.normalize, info)
 
         folder = str(info.path)
-        # Per-load progress bars are noise in a server's log.
-        transformers.utils.logging.disable_progress_bar()
         if not any((info.path / name).is_file() for name in _TOKENIZER_FILES):
             # Recent transformers would build an empty tokenizer rather than fail.
             raise ConfigError(
                 f"{folder}: no tokenizer files (one of {list(_TOKENIZER_FILES)}); save the "
                 "tokenizer into the folder with tokenizer.save_pretrained"
             )
-        try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(
-                folder, local_files_only=True, use_fast=True
-            )
-        except Exception as err:  # transformers raises OSError/ValueError/... for bad folders
-            raise ConfigError(f"{folder}: cannot load a tokenizer: {err}") from None
-        if not getattr(self.tokenizer, "is_fast", False):
-            raise ConfigError(f"{folder}: no fast tokenizer (tokenizer.json) in the folder")
+        # from_pretrained imports the model family's modules lazily on first use and fills
+        # transformers' registries, which is not safe from several threads at once (BC-35):
+        # versions of huggingface models read their files one at a time; moving the weights
+        # to the device, warm-up and serving run in parallel.
+        with library_lock("transformers"):
+            self.tokenizer, model = _from_pretrained(transformers, folder, self.task)
         self.max_length = _max_length(hf.max_length, info, self.tokenizer)
         self._input_names = list(self.tokenizer.model_input_names)
-
-        auto = (
-            transformers.AutoModel
-            if self.task == FEATURE_EXTRACTION
-            else transformers.AutoModelForSequenceClassification
-        )
-        try:
-            model = auto.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-        except Exception as err:  # see above
-            raise ConfigError(f"{folder}: cannot load the model for '{self.task}': {err}") from None
         self.device = torch.device(context.device)
         self.model = model.to(device=self.device, dtype=context.torch_dtype).eval()
         self.model.requires_grad_(False)
@@ -380,6 +377,26 @@ class HuggingFaceBackend(Backend):
             features = {k: v.pin_memory() for k, v in features.items()}
         return TokenBatch(features, errors)
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens per text as :meth:`preprocess` feeds them to the model (special tokens
+        included, truncated to ``max_length``, no padding): ``usage`` of ``/v1/embeddings``.
+
+        Called from worker threads while batches run, so it never uses the tokenizer of
+        the CPU stage (a transformers call changes its truncation and padding settings):
+        it encodes with its own copy of the fast tokenizer's Rust core, made on first use.
+        """
+        counter = self._counter
+        if counter is None:  # two threads may both build one: harmless, one is kept
+            core = self.tokenizer.backend_tokenizer
+            counter = type(core).from_str(core.to_str())
+            counter.no_padding()
+            counter.enable_truncation(
+                max_length=self.max_length,
+                direction=getattr(self.tokenizer, "truncation_side", "right"),
+            )
+            self._counter = counter
+        return [len(encoding.ids) for encoding in counter.encode_batch_fast(list(texts))]
+
     def forward(self, prepared: TokenBatch) -> DeviceResult:
         import torch
         import torch.nn.functional as F
@@ -416,6 +433,36 @@ class HuggingFaceBackend(Backend):
     def unload(self) -> None:
         self.model = None
         self.tokenizer = None
+        self._counter = None
+
+
+def _from_pretrained(transformers: Any, folder: str, task: str) -> tuple[Any, Any]:
+    """The fast tokenizer and the model of ``task`` from a local folder (no hub access).
+
+    Raises:
+        ConfigError: either cannot be loaded, or the tokenizer is not a fast one (the message
+            names the folder and the cause).
+    """
+    # Per-load progress bars are noise in a server's log.
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            folder, local_files_only=True, use_fast=True
+        )
+    except Exception as err:  # transformers raises OSError/ValueError/... for bad folders
+        raise ConfigError(f"{folder}: cannot load a tokenizer: {err}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(f"{folder}: no fast tokenizer (tokenizer.json) in the folder")
+    auto = (
+        transformers.AutoModel
+        if task == FEATURE_EXTRACTION
+        else transformers.AutoModelForSequenceClassification
+    )
+    try:
+        model = auto.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as err:  # see above
+        raise ConfigError(f"{folder}: cannot load the model for '{task}': {err}") from None
+    return tokenizer, model
 
 
 def _pooling(pooling: str, normalize: bool | None, info: FolderInfo) -> tuple[str, bool]:

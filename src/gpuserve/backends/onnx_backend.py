@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.backends.base import Backend, LoadContext
+from gpuserve.backends.optional import MissingDependencyError, first_use, require
 from gpuserve.backends.signature import ModelSignature, ModelTensor, complete_config
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, OnnxConfig
 from gpuserve.datatypes import numpy_dtype
@@ -66,16 +67,33 @@ _PROVIDERS = {
 _GPU_PROVIDERS = frozenset({"TensorrtExecutionProvider", "CUDAExecutionProvider"})
 
 
+#: The names of ``onnxruntime`` this backend uses, resolved under the import lock.
+_ORT_NAMES = (
+    "InferenceSession",
+    "SessionOptions",
+    "GraphOptimizationLevel",
+    "ExecutionMode",
+    "OrtValue",
+    "get_available_providers",
+)
+
+
 def import_ort() -> Any:
-    """``onnxruntime``, or a ConfigError saying how to install it."""
+    """``onnxruntime`` (thread-safe, see :mod:`gpuserve.backends.optional`).
+
+    Raises:
+        MissingDependencyError: ONNX Runtime is not installed (the message names the extra).
+    """
     try:
-        import onnxruntime
-    except ImportError:
-        raise ConfigError(
-            "backend 'onnx' needs ONNX Runtime: pip install 'gpuserve[onnx]' "
-            "(or onnxruntime-gpu for CUDA/TensorRT)"
+        return require("onnxruntime", "backend 'onnx'", _ORT_NAMES)
+    except MissingDependencyError as err:
+        raise MissingDependencyError(
+            f"{err.message} (or onnxruntime-gpu for CUDA/TensorRT)", err.module, err.extra
         ) from None
-    return onnxruntime
+
+
+def _provider_names(providers: list[str | tuple[str, dict[str, Any]]]) -> tuple[str, ...]:
+    return tuple(p if isinstance(p, str) else p[0] for p in providers)
 
 
 def device_id(device: str) -> int | None:
@@ -150,7 +168,8 @@ def read_signature(path: Path) -> ModelSignature:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
     try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        with first_use("onnxruntime", ("CPUExecutionProvider",)):
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as err:  # ORT raises its own classes for corrupt or unsupported graphs
         raise ConfigError(f"{path}: ONNX Runtime cannot load it: {err}") from None
     return signature_of_session(session, path.name)
@@ -207,9 +226,13 @@ class OnnxBackend(Backend):
         providers = choose_providers(
             list(config.onnx.execution_providers), ort.get_available_providers(), context.device
         )
-        self.session = ort.InferenceSession(
-            str(path), session_options(config.onnx, ort), providers=providers
-        )
+        # The first session of a provider set loads the provider libraries and initialises
+        # ONNX Runtime's environment: alone, as Triton's ONNX Runtime backend does; later
+        # sessions are created in parallel.
+        with first_use("onnxruntime", _provider_names(providers)):
+            self.session = ort.InferenceSession(
+                str(path), session_options(config.onnx, ort), providers=providers
+            )
         self.ort = ort
         self.config = config
         self.device = context.device

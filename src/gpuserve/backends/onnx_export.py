@@ -28,6 +28,7 @@ import yaml
 
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.onnx_backend import import_ort
+from gpuserve.backends.optional import missing_dependency, require
 from gpuserve.backends.torch_backend import EXPORTED_FILENAME, TorchBackend
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.datatypes import numpy_dtype
@@ -215,21 +216,24 @@ def _write_graph(wrapper: _ExportWrapper, config: ModelConfig, path: Path, opset
         # Trace first: the exporter cannot trace a wrapper around a loaded TorchScript module
         # ("not part of the active trace"), but it exports the traced wrapper fine.
         traced = torch.jit.trace(wrapper, tuple(sample), check_trace=False)
-        torch.onnx.export(
-            traced,
-            tuple(sample),
-            str(path),
-            input_names=[spec.name for spec in config.inputs],
-            output_names=[spec.name for spec in config.outputs],
-            dynamic_axes=axes or None,
-            opset_version=opset,
-            do_constant_folding=True,
-            dynamo=False,
-        )
-    try:
-        import onnx
-    except ImportError:
-        raise ConfigError("gpuserve export needs onnx: pip install 'gpuserve[onnx]'") from None
+        try:
+            torch.onnx.export(
+                traced,
+                tuple(sample),
+                str(path),
+                input_names=[spec.name for spec in config.inputs],
+                output_names=[spec.name for spec in config.outputs],
+                dynamic_axes=axes or None,
+                opset_version=opset,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+        except Exception as err:  # torch wraps a missing onnx in its own exporter error
+            missing = missing_dependency(err, "exporting to ONNX")
+            if missing is not None:
+                raise missing from None
+            raise
+    onnx = require("onnx", "exporting to ONNX", ("checker",))
     onnx.checker.check_model(str(path), full_check=True)
 
 

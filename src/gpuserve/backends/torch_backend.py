@@ -19,6 +19,9 @@ config output order) or a dict keyed by output name.
 Precision: floating-point inputs and the module's weights are cast to the configured dtype
 (fp16/bf16); outputs are cast back to each output's declared datatype at the boundary, so
 clients keep the datatypes the config declares.
+
+Versions load in parallel; their ``torch.compile`` warm-ups and CUDA graph captures take
+turns (:data:`CAPTURE_LOCK`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.backends.loader import import_module_from_path
+from gpuserve.backends.optional import library_lock
 from gpuserve.backends.signature import ModelSignature, ModelTensor, complete_config
 from gpuserve.backends.torch_exec import (
     CudaGraphRunner,
@@ -50,6 +54,11 @@ from gpuserve.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 EXPORTED_FILENAME = "model.pt2"
+#: ``torch.compile`` warm-ups and CUDA graph captures of versions loading at the same time
+#: run one at a time (BC-35): dynamo's compilation state is process-wide and not made for
+#: concurrent compiles, and two captures never overlap (a failed capture falls back to eager,
+#: with the reason logged).
+CAPTURE_LOCK = "torch-capture"
 
 # torch.export.load keeps its deserializer in a global: loads on two threads at once (models
 # load in parallel) fail with "_CURRENT_DESERIALIZER is already set".
@@ -192,7 +201,8 @@ class TorchBackend(Backend):
         assert config is not None
         if self.graphs is not None:
             try:
-                self.graphs.capture_all()
+                with library_lock(CAPTURE_LOCK):
+                    self.graphs.capture_all()
                 self.runner = self.graphs
             except Exception as err:
                 logger.warning(
@@ -201,7 +211,7 @@ class TorchBackend(Backend):
                 self.graphs = None
         elif config.optimization.compile:
             try:
-                with torch.inference_mode():
+                with library_lock(CAPTURE_LOCK), torch.inference_mode():
                     for bucket in batch_buckets(
                         config.max_batch_size, config.dynamic_batching.preferred_batch_sizes
                     ):

@@ -96,6 +96,8 @@ class LevelResult:
         sent_rate: Open loop: requests per second actually sent.
         client_cpu: CPU time of the generator process per second of measurement (1.0 = one
             core busy); near 1 means the generator itself may be the limit.
+        failing: Measuring stopped early: requests had failed and none had succeeded
+            since the level started (warm-up included) when a window ended.
     """
 
     mode: Mode
@@ -108,6 +110,7 @@ class LevelResult:
     gpu: dict[str, float] = field(default_factory=dict)
     sent_rate: float | None = None
     client_cpu: float | None = None
+    failing: bool = False
 
     @property
     def p99_ms(self) -> float:
@@ -155,6 +158,7 @@ class LevelResult:
             "gpu": self.gpu,
             "sent_rate": self.sent_rate,
             "client_cpu": self.client_cpu,
+            "failing": self.failing,
             "windows": [
                 {
                     "duration_s": w.duration_s,
@@ -311,6 +315,7 @@ async def run_level(
         marks: list[tuple[int, int, float, float]] = []
         start_index, start_s, sent_start = len(rec), time.perf_counter(), sent[0]
         first_s, first_cpu = start_s, time.process_time()
+        failing = False
         while len(windows) < settings.max_windows:
             await asyncio.sleep(settings.window_s)
             now, index = time.perf_counter(), len(rec)
@@ -320,6 +325,9 @@ async def run_level(
             start_index, start_s = index, now
             if on_window is not None:
                 on_window(level, len(windows), window)
+            if _failing(rec, index):
+                failing = True
+                break
             if is_stable(windows, settings.stable_windows, settings.tolerance):
                 break
         sent_end, end_s, end_cpu = sent[0], time.perf_counter(), time.process_time()
@@ -351,6 +359,24 @@ async def run_level(
         gpu=server_info.gpu_summary(sampler.means()),
         sent_rate=sent_rate,
         client_cpu=(end_cpu - first_cpu) / (end_s - first_s),
+        failing=failing,
+    )
+
+
+def _failing(rec: Recorder, upto: int) -> bool:
+    """Requests finished, and not one of the first ``upto`` succeeded (any success ends the
+    scan at once, so this costs nothing on a healthy run)."""
+    return upto > 0 and not any(s == "200" or s == "OK" for s in rec.status[:upto])
+
+
+def describe_failing(result: LevelResult, target: str) -> str:
+    """One line for a level that failed every request: where, how often, and what to check."""
+    errors = result.windows[-1].errors if result.windows else {}
+    counts = ", ".join(f"{n} x {status}" for status, n in sorted(errors.items())[:3])
+    unit = "concurrency" if result.mode == "concurrency" else "request rate"
+    return (
+        f"every request to {target} failed at {unit} {result.level:g} ({counts or 'no answer'})"
+        "; stopped: check the URL, the gRPC address, the model and the server's log"
     )
 
 
@@ -368,14 +394,15 @@ async def run_sweep(
     on_level: Callable[[LevelResult], None] | None = None,
     stop: StopRule | None = None,
 ) -> list[LevelResult]:
-    """Measure each level in order; ``stop(result)`` True ends the sweep early."""
+    """Measure each level in order; ``stop(result)`` True ends the sweep early, and so does a
+    level that fails every request (:attr:`LevelResult.failing`; it is the last result)."""
     results = []
     for level in levels:
         result = await run_level(target, mode, level, settings, probe, batch_size, on_window)
         results.append(result)
         if on_level is not None:
             on_level(result)
-        if stop is not None and stop(result):
+        if result.failing or (stop is not None and stop(result)):
             break
     return results
 

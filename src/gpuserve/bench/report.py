@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from gpuserve.backends.optional import library_lock, require
 from gpuserve.bench.benchmark import BenchResult
 from gpuserve.bench.loadgen import LevelResult
+from gpuserve.errors import ConfigError
+
+#: Where runs go without ``--output-dir``: one new sub-folder per run.
+DEFAULT_OUTPUT_ROOT = Path("gpuserve-bench")
+#: The files a run writes (``write_all``); a folder holding one of them holds earlier results.
+RESULT_FILES = ("bench.json", "bench.csv", "bench.png")
 
 CSV_FIELDS = [
     "mode",
@@ -133,11 +141,12 @@ def render_table(result: BenchResult) -> Any:
 def plot_latency_throughput(
     results: dict[str, list[LevelResult]], path: Path, title: str, budget_ms: float | None = None
 ) -> None:
-    """PNG: p50 and p99 latency against throughput, one line pair per labelled sweep."""
-    import matplotlib
+    """PNG: p50 and p99 latency against throughput, one line pair per labelled sweep.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Raises:
+        MissingDependencyError: matplotlib is not installed (the ``bench`` extra).
+    """
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for index, (label, levels) in enumerate(results.items()):
@@ -176,11 +185,35 @@ def plot_latency_throughput(
     plt.close(fig)
 
 
+#: What needs matplotlib, in the message that says it is missing.
+PLOT_NEEDS = "the latency plot (bench.png)"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (thread-safe first import).
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed (``pip install 'gpuserve[bench]'``).
+    """
+    matplotlib = require("matplotlib", PLOT_NEEDS)
+    with library_lock("matplotlib"):
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_unavailable() -> str | None:
+    """Why no PNG can be drawn (one line naming the ``bench`` extra), or None."""
+    try:
+        require("matplotlib", PLOT_NEEDS)
+    except ConfigError as err:
+        return err.message
+    return None
+
+
 def can_plot() -> bool:
     """Whether matplotlib is installed (``pip install 'gpuserve[bench]'``)."""
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
+    return plot_unavailable() is None
 
 
 def write_all(
@@ -199,3 +232,35 @@ def write_all(
             f"{result.model.name}: latency vs throughput ({label} sweep, {result.target})",
         )
     return paths
+
+
+def output_folder(
+    requested: Path | None, *, overwrite: bool = False, now: dt.datetime | None = None
+) -> Path:
+    """Where a run writes its results, never over an earlier run's unless asked.
+
+    Args:
+        requested: ``--output-dir``; None: a new folder ``gpuserve-bench/<date>-<time>/``
+            (``-2``, ``-3``, ... appended when one of that name exists).
+        overwrite: Allow ``requested`` to hold an earlier run's results (they are replaced).
+        now: The run's start (local time; tests pass a fixed one).
+
+    Raises:
+        FileExistsError: ``requested`` holds an earlier run's results and ``overwrite`` is
+            False (the message names the folder and the way out).
+    """
+    if requested is not None:
+        earlier = [name for name in RESULT_FILES if (requested / name).exists()]
+        if earlier and not overwrite:
+            raise FileExistsError(
+                f"{requested} holds the results of an earlier run ({', '.join(earlier)}); "
+                "pass --overwrite to replace them, or another --output-dir"
+            )
+        return requested
+    stamp = (now or dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    folder = DEFAULT_OUTPUT_ROOT / stamp
+    suffix = 2
+    while folder.exists():
+        folder = DEFAULT_OUTPUT_ROOT / f"{stamp}-{suffix}"
+        suffix += 1
+    return folder

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from gpuserve.bench.report import can_plot, plot_latency_throughput
+from gpuserve.bench.report import can_plot, plot_latency_throughput, pyplot
 from gpuserve.bench.tune import Evaluation, TuneResult
 
 
@@ -183,11 +183,7 @@ def write_report(result: TuneResult, out_dir: Path, config_path: Path) -> dict[s
 
 
 def _plot_candidates(result: TuneResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     evaluations = result.evaluations
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(evaluations) + 1.5), dpi=110)
     labels = [f"{i + 1}. {e.candidate.label()}" for i, e in enumerate(evaluations)]

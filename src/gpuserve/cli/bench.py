@@ -5,8 +5,14 @@
     gpuserve bench --model simple --protocol grpc --grpc-url 127.0.0.1:8001 --tensor-format binary
 
 Writes a table to stdout and ``bench.json``, ``bench.csv`` and ``bench.png`` (latency against
-throughput) to ``--output-dir``. Exit status: 0 done, 1 no request succeeded, 2 bad arguments
-or the server/model could not be reached.
+throughput) to a new folder ``gpuserve-bench/<date>-<time>/`` per run, or to ``--output-dir``
+(refused when it holds an earlier run's results, unless ``--overwrite``). The PNG needs
+matplotlib (``pip install 'gpuserve[bench]'``); without it the run says so and writes the rest.
+
+A sweep stops when a level ends a window with failures and not one success (a wrong address
+or model); when that is the first level, nothing is written. Exit status: 0 done,
+1 no request succeeded, 2 bad arguments, the server/model could not be reached, or the output
+folder holds earlier results.
 """
 
 from __future__ import annotations
@@ -119,8 +125,14 @@ def register(sub: Any) -> None:
     bench.add_argument(
         "--output-dir",
         type=Path,
-        default=Path("gpuserve-bench"),
-        help="where bench.json, bench.csv and bench.png go",
+        default=None,
+        help="where bench.json, bench.csv and bench.png go (default: a new folder "
+        "gpuserve-bench/<date>-<time>/ per run)",
+    )
+    bench.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results an earlier run left in --output-dir (default: refuse)",
     )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -182,11 +194,18 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from gpuserve.bench.benchmark import BenchConfig, run_benchmark
-    from gpuserve.bench.report import render_table, write_all
+    from gpuserve.bench.loadgen import describe_failing
+    from gpuserve.bench.report import (
+        RESULT_FILES,
+        output_folder,
+        plot_unavailable,
+        render_table,
+        write_all,
+    )
     from gpuserve.bench.server_info import ServerError
     from gpuserve.bench.spec import parse_levels, parse_shapes
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # one line per message, never wrapped
     if args.concurrency and args.request_rate:
         err.print("gpuserve bench: give --concurrency or --request-rate, not both")
         return 2
@@ -201,6 +220,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.batch_size < 1:
         err.print("gpuserve bench: --batch-size must be >= 1")
+        return 2
+    try:  # before the run: a refused folder must not cost a whole sweep
+        out_dir = output_folder(args.output_dir, overwrite=args.overwrite)
+    except FileExistsError as error:
+        err.print(f"gpuserve bench: {error}", markup=False, highlight=False)
         return 2
     settings = settings_from_args(
         args, warmup_s=1.0, window_s=2.0, tolerance_pct=10.0, max_windows=8
@@ -231,10 +255,28 @@ def run(args: argparse.Namespace) -> int:
         with progress:
             result = run_benchmark(config, on_window=on_window, on_level=on_level)
     except (ServerError, ValueError, RuntimeError) as error:
-        err.print(f"gpuserve bench: {error}")
+        err.print(f"gpuserve bench: {error}", markup=False, highlight=False)
         return 2
+    if result.levels and result.levels[0].failing:  # nothing worth a table or a file
+        message = describe_failing(result.levels[0], result.target)
+        err.print(f"gpuserve bench: {message}; nothing written", markup=False, highlight=False)
+        return 1
     Console().print(render_table(result))
-    paths = write_all(result, args.output_dir, plot=not args.no_plot)
+    last = result.levels[-1] if result.levels else None
+    if last is not None and last.failing:
+        message = describe_failing(last, result.target)
+        err.print(f"gpuserve bench: {message} (the levels before it are written)", markup=False)
+    unplotted = None if args.no_plot else plot_unavailable()
+    if unplotted is not None:
+        err.print(
+            f"gpuserve bench: bench.png skipped: {unplotted} (or pass --no-plot)",
+            markup=False,
+            highlight=False,
+        )
+    if args.overwrite:  # an earlier run's PNG must not outlive it beside this run's results
+        for name in RESULT_FILES:
+            (out_dir / name).unlink(missing_ok=True)
+    paths = write_all(result, out_dir, plot=not args.no_plot)
     for kind, path in paths.items():
         print(f"{kind}: {path}")
     return 0 if any(level.summary.ok for level in result.levels) else 1

@@ -40,6 +40,10 @@ from gpuserve.errors import GpuserveError
 
 logger = logging.getLogger(__name__)
 
+#: What an export imports besides torch (the ``onnx`` extra): the graph is checked with onnx
+#: and compared with the torch module on ONNX Runtime.
+EXPORT_NEEDS = ("onnx", "onnxruntime")
+
 
 @dataclass(slots=True)
 class ExportResult:
@@ -111,6 +115,14 @@ def run(args: argparse.Namespace) -> int:
     except GpuserveError as err:
         print(f"gpuserve export: {err.message}", file=sys.stderr)
         return 1
+    except ImportError as err:  # a package the exporter imports deep inside
+        from gpuserve.backends.optional import missing_dependency
+
+        missing = missing_dependency(err, "exporting to ONNX")
+        if missing is None:
+            raise
+        print(f"gpuserve export: {missing.message}", file=sys.stderr)
+        return 1
     print(f"exported {result.source} to {result.path}")
     if result.config_written:
         print(f"wrote {result.path.parent.parent / 'config.yaml'} (backend {result.backend})")
@@ -143,10 +155,17 @@ def export_model(
         opset: ONNX opset, at least 17.
 
     Raises:
+        MissingDependencyError: onnx or onnxruntime is not installed (the ``onnx`` extra).
         ConfigError: unknown model or version, not a torch model, a target that is not an
             onnx model, an existing version folder, a model that cannot be exported.
         BackendError: the exported graph disagrees with the torch module (fp32).
     """
+    from gpuserve.backends.optional import require
+
+    # Before anything is loaded: without them torch's exporter fails deep inside with a
+    # long traceback; this says which extra to install (issue 19).
+    for module in EXPORT_NEEDS:
+        require(module, "exporting to ONNX")
     from gpuserve.backends.onnx_export import export_version, exported_config_yaml
     from gpuserve.config import CONFIG_FILENAME, load_model_config
     from gpuserve.errors import ConfigError

@@ -2,6 +2,7 @@
 
     gpuserve models list [--url URL | --model-repository DIR] [--json]
     gpuserve models validate --model-repository DIR
+    gpuserve models init DIR
     gpuserve models load MODEL [--config FILE] [--url URL]
     gpuserve models unload MODEL [--url URL]
     gpuserve models rollback MODEL [--url URL]
@@ -61,6 +62,14 @@ def register(sub: Any) -> None:
         help="skip the backend's check of each model file against its config",
     )
     validate.set_defaults(func=_validate)
+
+    init = actions.add_parser(
+        "init",
+        help="copy the embedded repository (text_embedding, simple) into a folder, to start "
+        "a repository of your own",
+    )
+    init.add_argument("folder", type=Path, help="the new repository (created if missing)")
+    init.set_defaults(func=_init)
 
     helps = {
         "load": "load a model, or apply repository changes to it (explicit mode)",
@@ -278,4 +287,28 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s) in {count} model(s) of {root}", file=sys.stderr)
         return 1
     print(f"{root}: {count} model(s), no problems")
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    import shutil
+
+    from gpuserve.config import default_model_repository
+
+    source = default_model_repository()
+    target: Path = args.folder
+    names = sorted(p.name for p in source.iterdir() if p.is_dir() and not p.name.startswith("_"))
+    taken = [name for name in names if (target / name).exists()]
+    if taken:
+        print(
+            f"gpuserve models init: {target} already has {', '.join(taken)}; nothing copied",
+            file=sys.stderr,
+        )
+        return 1
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copytree(
+            source / name, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+        )
+    print(f"{target}: {', '.join(names)} (serve it: gpuserve serve --model-repository {target})")
     return 0

@@ -28,6 +28,13 @@ SERVE_FIELDS += [  # model lifecycle
     "disable_management",
     "management_token",
 ]
+SERVE_FIELDS += [  # many models on few devices: load on demand, limits, idle unload
+    "load_on_demand",
+    "max_loaded_models",
+    "loaded_models_memory_bytes",
+    "idle_unload_s",
+    "model_load_timeout_s",
+]
 SERVE_FIELDS += [  # security and limits
     "enable_management",
     "api_token",
@@ -82,6 +89,7 @@ def register(sub: Any) -> None:
         help="seconds in-flight requests may take to finish on SIGTERM (default 30)",
     )
     _lifecycle_flags(serve)
+    _residency_flags(serve)
     _security_flags(serve)
     serve.set_defaults(func=run)
 
@@ -118,6 +126,40 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         "--max-bytes-element-bytes",
         type=int,
         help="longest element of a BYTES input (400 beyond; default 67108864)",
+    )
+
+
+def _residency_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--load-on-demand",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="load each model at its first request instead of at start (requests wait for "
+        "the load); ready with nothing loaded (or GPUSERVE_LOAD_ON_DEMAND; default off)",
+    )
+    serve.add_argument(
+        "--max-loaded-models",
+        type=int,
+        help="most models loaded at once; the least recently used idle one is unloaded "
+        "first (default 0: no limit)",
+    )
+    serve.add_argument(
+        "--loaded-models-memory-bytes",
+        type=int,
+        help="most memory loaded models may hold per device, bytes (GPU memory for GPU "
+        "models, resident host memory for CPU models, measured at load; default 0: no limit)",
+    )
+    serve.add_argument(
+        "--idle-unload-s",
+        type=float,
+        help="unload a model after this many seconds without a request; its next request "
+        "loads it again (default 0: never; a model's idle_unload_s wins)",
+    )
+    serve.add_argument(
+        "--model-load-timeout-s",
+        type=float,
+        help="how long a request waits for its model to load when the model sets no "
+        "default_timeout_us, seconds (default 120)",
     )
 
 
@@ -172,8 +214,15 @@ def _lifecycle_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the settings, the repository and the ports, then serve until a signal.
+
+    Returns:
+        0 after a clean shutdown; 2 for an invalid setting, a model repository that is not a
+        readable folder, or a port another process holds (one line on stderr naming it,
+        before anything heavy is imported); the server exits 1 when it fails while starting.
+    """
     from gpuserve.config import ServerConfig
-    from gpuserve.server.runner import GpuServer, configure_logging
+    from gpuserve.server.startup import StartupError, preflight
 
     overrides = {
         name: getattr(args, name) for name in SERVE_FIELDS if getattr(args, name, None) is not None
@@ -188,6 +237,13 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         return 2
+    try:
+        preflight(config)
+    except StartupError as err:
+        print(f"gpuserve: {err}", file=sys.stderr)
+        return 2
+    from gpuserve.server.runner import GpuServer, configure_logging
+
     configure_logging(config.log_level, config.log_format, config.access_log)
     GpuServer(config).run()
     return 0

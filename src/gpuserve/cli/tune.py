@@ -188,6 +188,11 @@ def run(args: argparse.Namespace) -> int:
     result = tuner.run()
     write_config(result, config_path)
     paths = write_report(result, report_dir, config_path)
+    from gpuserve.bench.report import plot_unavailable
+
+    unplotted = plot_unavailable()
+    if unplotted is not None:
+        print(f"gpuserve tune: plots skipped: {unplotted}", file=sys.stderr)
     from gpuserve.bench.tune_report import why
 
     print()

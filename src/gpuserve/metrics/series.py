@@ -21,6 +21,11 @@ gpuserve_queue_depth                        gauge      requests waiting in the q
 gpuserve_inflight_requests                  gauge      requests admitted, not yet answered
 ==========================================  =========  ====================================
 
+Loads on demand, evictions and what is resident: see :mod:`gpuserve.metrics.residency`.
+
+Triton's names (``nv_inference_*``, ``nv_gpu_*``) are exposed beside these, derived at scrape
+time by :mod:`gpuserve.metrics.triton`.
+
 Failure reasons are the ``reason`` of :mod:`gpuserve.errors` (``invalid``, ``not_found``,
 ``not_ready``, ``rejected``, ``timeout``, ``cancelled``, ``backend_error``,
 ``out_of_memory``, ``unavailable``); a failed request is never counted as a success (BC-20).
@@ -52,10 +57,13 @@ import gpuserve
 from gpuserve.engine.stats import BatchStats, RequestStats
 from gpuserve.metrics.collectors import SchedulerCollector
 from gpuserve.metrics.gpu import NvmlCollector
+from gpuserve.metrics.residency import ResidencySeries, ResidentCollector
+from gpuserve.metrics.triton import TritonGpuCollector, TritonModelCollector
 
 if TYPE_CHECKING:
     from gpuserve.engine.scheduler import ModelScheduler
     from gpuserve.repository.manager import ModelManager
+    from gpuserve.repository.ondemand import ResidencyEvent
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +232,16 @@ class ServerMetrics:
             "gpuserve_build_info", "gpuserve version (value is always 1).", ["version"], registry=r
         ).labels(gpuserve.__version__).set(1)
         self._series: dict[tuple[str, str], _VersionSeries] = {}
+        self.residency = ResidencySeries(r)
         if manager is not None:
             r.register(SchedulerCollector(lambda: _schedulers(manager)))
+            r.register(ResidentCollector(manager))
+            r.register(TritonModelCollector(lambda: (s.stats for s in _schedulers(manager))))
         self.gpu: NvmlCollector | None = None
         if gpu:
             self.gpu = NvmlCollector(nvml)
             r.register(self.gpu)
+            r.register(TritonGpuCollector(self.gpu))
         if process:
             ProcessCollector(registry=r)
 
@@ -247,6 +259,11 @@ class ServerMetrics:
         """:class:`~gpuserve.repository.manager.ModelManager` hook: a version was loaded."""
         if model_version.scheduler is not None:
             self.watch(model_version.scheduler)
+
+    def on_residency(self, event: ResidencyEvent) -> None:
+        """:class:`~gpuserve.repository.ondemand.OnDemand` hook: a model loaded on demand or
+        was evicted."""
+        self.residency.on_event(event)
 
     def _version_series(self, model: str, version: str) -> _VersionSeries:
         key = (model, version)

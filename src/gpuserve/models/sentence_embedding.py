@@ -124,6 +124,7 @@ class SentenceEmbedder:
         self.device = device
         self.max_seq_len = max_seq_len
         self._pin = device.type == "cuda"
+        self._counter: Tokenizer | None = None
 
     @classmethod
     def load(
@@ -174,6 +175,26 @@ class SentenceEmbedder:
         if self._pin:
             ids, mask = ids.pin_memory(), mask.pin_memory()
         return TokenizedBatch(ids, mask, padded)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text as :meth:`tokenize` feeds them to the encoder: special tokens
+        included, after truncation to :attr:`max_seq_len`, without padding.
+
+        Safe to call from any thread while batches run: it uses its own copy of the
+        tokenizer (made on first use; padding off), never the one the CPU stage uses.
+
+        Args:
+            texts: B strings.
+
+        Returns:
+            B token counts, each in ``[2, max_seq_len]`` for a BERT tokenizer.
+        """
+        counter = self._counter
+        if counter is None:  # two threads may both build one: harmless, one is kept
+            counter = Tokenizer.from_str(self.tokenizer.to_str())
+            counter.no_padding()
+            self._counter = counter
+        return [len(encoding.ids) for encoding in counter.encode_batch_fast(list(texts))]
 
     def embed(self, batch: TokenizedBatch) -> torch.Tensor:
         """Device stage: float32 [B, H] unit-norm embeddings, on :attr:`device`.

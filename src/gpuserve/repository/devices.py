@@ -47,13 +47,22 @@ def instance_devices(config: ModelConfig, gpu_count: int | None = None) -> list[
     return devices
 
 
-def release_device_memory() -> None:
+def release_device_memory(*, frozen: bool = True) -> None:
     """Return freed device memory after a version unloaded: collect the garbage its objects
     left, then hand PyTorch's cached CUDA blocks back to the driver (when CUDA is in use).
-    Objects kept out of the collector by :func:`freeze_loaded_objects` are collected too."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+
+    Args:
+        frozen: Also collect objects kept out of the collector by
+            :func:`freeze_loaded_objects` (a full walk of every object: ~0.1 s with torch
+            imported, on the event loop). False for models loaded on demand and evicted:
+            they were never frozen, so a collection of the unfrozen objects frees them.
+    """
+    if frozen:
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

@@ -35,6 +35,7 @@ from gpuserve.repository.planner import (
 )
 from gpuserve.repository.report import model_status
 from gpuserve.repository.repository import ModelEntry, VersionFolder, read_version_folder
+from gpuserve.repository.retry import RetryBackoff
 from gpuserve.repository.state import Model, ModelVersion, Route, VersionState
 from gpuserve.repository.traffic import RoutePlan, plan_route, signature
 
@@ -49,7 +50,9 @@ class Change:
     """How one reconcile runs.
 
     Attributes:
-        retry_failed: Load versions again that failed before with the same content.
+        retry_failed: Load versions again that failed before with the same content. Without
+            it (``poll``), such a version is tried again once its back-off has passed (see
+            :mod:`gpuserve.repository.retry`).
         settled: ``poll``: the versions whose folder is the same as on the last scan (the
             others are left for a later scan); None: every folder is settled.
         require: This version must end up loaded, or nothing changes (ConfigError).
@@ -71,6 +74,10 @@ class Executor:
         load: Loads one version (the manager's ``_load_version``, so tests can wrap it).
         closing: Whether the server is shutting down (nothing switches then).
         unload_timeout_s: The drain time of a version that leaves, seconds (read per drain).
+        retry: When a failed version is tried again by a poll (default back-off).
+
+    Attributes:
+        retry: The :class:`RetryBackoff` in use (tests give it a fake clock).
     """
 
     def __init__(
@@ -78,10 +85,12 @@ class Executor:
         load: LoadFn,
         closing: Callable[[], bool],
         unload_timeout_s: Callable[[], float],
+        retry: RetryBackoff | None = None,
     ) -> None:
         self._load = load
         self._closing = closing
         self._unload_timeout_s = unload_timeout_s
+        self.retry = retry if retry is not None else RetryBackoff()
 
     async def reconcile(self, model: Model, entry: ModelEntry, change: Change) -> dict[int, str]:
         """Bring ``model`` in line with ``entry`` and its routing settings (steps 1-4 of
@@ -95,6 +104,8 @@ class Executor:
                 switched; what loaded for the change is unloaded again).
         """
         folders = entry.folders
+        if not change.retry_failed:
+            self._release_due(model, folders)
         state = snapshot(model)
         plan = plan_reconcile(
             state, folders, settled=change.settled, retry_failed=change.retry_failed
@@ -125,10 +136,19 @@ class Executor:
                     results[v] = LoadResult(ready, mv.reason, signature(mv.config))
                     if ready:
                         fresh[v] = mv
+                        self.retry.forget(model.name, v)
                         continue
                     failures[v] = mv.reason
                     model.failed[v] = folders[v].fingerprint
                     model.notes[v] = plan.failure_note(v, mv.reason)
+                    wait_s = self.retry.failed(model.name, v, folders[v].fingerprint)
+                    logger.debug(
+                        "model %s version %d: a poll tries it again in %.0f s unless its "
+                        "folder changes first",
+                        model.name,
+                        v,
+                        wait_s,
+                    )
         except BaseException:  # nothing switches: what loaded for this change goes again
             await self.discard(model, fresh.values())
             raise
@@ -143,6 +163,19 @@ class Executor:
         model.entry = entry
         await self.retire(model, retiring, change.why)
         return failures
+
+    def _release_due(self, model: Model, folders: Mapping[int, VersionFolder]) -> None:
+        """Forget the failure records whose back-off has passed, so the plan loads those
+        versions again although their folder did not change."""
+        for v, fingerprint in list(model.failed.items()):
+            if v in folders and self.retry.due(model.name, v, fingerprint):
+                logger.info(
+                    "model %s version %d: trying the load that failed again (attempt %d)",
+                    model.name,
+                    v,
+                    self.retry.attempts(model.name, v) + 1,
+                )
+                del model.failed[v]
 
     def switch(
         self, model: Model, fresh: dict[int, ModelVersion], plan: Switch
@@ -212,17 +245,20 @@ class Executor:
             reroute(model, forward=False)
             raise
 
-    async def unload_all(self, model: Model, why: str) -> None:
+    async def unload_all(self, model: Model, why: str, *, frozen: bool = True) -> None:
         """Take every READY version of ``model`` out of the route at once (new requests get
-        503), then drain and unload them (:meth:`retire`)."""
+        503), then drain and unload them (:meth:`retire`; ``frozen``: see
+        :func:`~gpuserve.repository.devices.release_device_memory`)."""
         retiring = [mv for mv in model.versions.values() if mv.state is VersionState.READY]
         for mv in retiring:
             mv.state = VersionState.UNLOADING
         model.route = Route()
         model.config = model.source_config
-        await self.retire(model, retiring, why)
+        await self.retire(model, retiring, why, frozen=frozen)
 
-    async def retire(self, model: Model, retiring: list[ModelVersion], why: str) -> None:
+    async def retire(
+        self, model: Model, retiring: list[ModelVersion], why: str, *, frozen: bool = True
+    ) -> None:
         """Drain ``retiring`` (up to ``unload_timeout_s``), unload them, note ``why`` in the
         index and return the device memory they held."""
         if not retiring:
@@ -233,7 +269,7 @@ class Executor:
             if model.versions.get(mv.version) is mv:
                 del model.versions[mv.version]
                 model.notes[mv.version] = f"unloaded ({why})"
-        release_device_memory()
+        release_device_memory(frozen=frozen)
 
     async def discard(self, model: Model, versions: Iterable[ModelVersion]) -> None:
         """Stop versions that loaded for a change that does not happen (they never were in

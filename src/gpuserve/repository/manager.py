@@ -25,9 +25,11 @@ from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.repository import rollout
 from gpuserve.repository.executor import Change, Executor, adopt, last_scan, stop_all, take_config
 from gpuserve.repository.loading import load_version
+from gpuserve.repository.ondemand import OnDemand
 from gpuserve.repository.planner import Settings
 from gpuserve.repository.report import index_rows, load_failed, model_status, model_summary
 from gpuserve.repository.repository import Fingerprint, ModelEntry, read_model, scan_repository
+from gpuserve.repository.residency import Limits
 from gpuserve.repository.router import Router
 from gpuserve.repository.state import Model, ModelVersion, Route, VersionState
 
@@ -51,6 +53,16 @@ class ModelManager(Router):
         poll_interval_s: Seconds between repository scans in ``poll`` mode.
         unload_timeout_s: Drain time of a version that leaves, seconds.
         strict_readiness: The readiness rule (see :mod:`gpuserve.repository.router`).
+        load_on_demand: Load models at their first request, not at start (pinned models
+            and, in ``explicit`` mode, ``load_models`` still load at start, pinned).
+        limits: Most models / memory per device loaded at once (see
+            :mod:`gpuserve.repository.residency`).
+        idle_unload_s: Server default idle time before a model unloads, seconds (0: never).
+        model_load_timeout_s: How long a request waits for its model to load, seconds.
+
+    Attributes:
+        on_demand: Load on demand, limits and idle unload
+            (:class:`~gpuserve.repository.ondemand.OnDemand`).
     """
 
     def __init__(
@@ -62,8 +74,13 @@ class ModelManager(Router):
         poll_interval_s: float = 15.0,
         unload_timeout_s: float = 30.0,
         strict_readiness: bool = False,
+        load_on_demand: bool = False,
+        limits: Limits | None = None,
+        idle_unload_s: float = 0.0,
+        model_load_timeout_s: float = 120.0,
     ) -> None:
         super().__init__({}, strict_readiness=strict_readiness)
+        self.ready_when_empty = load_on_demand
         self.repository = repository
         self.control_mode = control_mode
         self.load_models = list(load_models)
@@ -81,6 +98,13 @@ class ModelManager(Router):
             lambda: self.shutting_down,
             lambda: self.unload_timeout_s,
         )
+        self.on_demand = OnDemand(
+            self,
+            enabled=load_on_demand,
+            limits=limits,
+            idle_unload_s=idle_unload_s,
+            timeout_s=model_load_timeout_s,
+        )
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> ModelManager:
@@ -92,6 +116,10 @@ class ModelManager(Router):
             poll_interval_s=config.repository_poll_interval_s,
             unload_timeout_s=config.unload_timeout_s,
             strict_readiness=config.strict_readiness,
+            load_on_demand=config.load_on_demand,
+            limits=Limits(config.max_loaded_models, config.loaded_models_memory_bytes),
+            idle_unload_s=config.idle_unload_s,
+            model_load_timeout_s=config.model_load_timeout_s,
         )
 
     # -- start, poll, stop -----------------------------------------------------------------
@@ -113,10 +141,15 @@ class ModelManager(Router):
             if unknown:
                 logger.error("--load-model names model(s) not in %s: %s", self.repository, unknown)
             wanted &= set(self.load_models)
+        pinned = set(wanted) if self.control_mode == "explicit" else set()
+        if self.on_demand.enabled:  # only pinned models load at start
+            wanted = pinned | {e.name for e in entries if e.config is not None and e.config.pinned}
         for entry in entries:
             model = self._register(entry)
+            model.pinned = entry.name in pinned
             if entry.name not in wanted:
                 model.source_config = model.config = entry.config
+                model.canary = entry.config.canary if entry.config is not None else None
                 model.error = entry.error
         self._seen = _fingerprints(entries)
         await asyncio.gather(*(self._initial(e) for e in entries if e.name in wanted))
@@ -125,6 +158,8 @@ class ModelManager(Router):
         logger.info("initial load done: %d version(s) ready: %s", len(ready), ", ".join(ready))
         if self.control_mode == "poll" and not self.shutting_down:
             self._poll_task = loop.create_task(self._poll_loop())
+        if not self.shutting_down:
+            self.on_demand.start()
 
     async def _initial(self, entry: ModelEntry) -> None:
         async with self._lock(entry.name):
@@ -167,6 +202,8 @@ class ModelManager(Router):
             model = self._register(entry)
             if not take_config(model, entry, reset=False):
                 return
+            if self.on_demand.dormant(model):  # loads at its next request
+                return
             settled = {v for v, f in entry.folders.items() if previous.get(v) == f.fingerprint}
             await self._executor.reconcile(
                 model, entry, Change(retry_failed=False, settled=settled)
@@ -188,6 +225,7 @@ class ModelManager(Router):
     async def close(self, drain_timeout_s: float = 30.0) -> None:
         """Stop taking requests, drain every version (up to the timeout, seconds), unload."""
         self.shutting_down = True
+        await self.on_demand.stop()
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
@@ -206,6 +244,20 @@ class ModelManager(Router):
             await asyncio.sleep(0.01)
 
     # -- the repository API ------------------------------------------------------------------
+
+    def cold(self, name: str) -> bool:
+        """Whether a request for ``name`` must wait for :meth:`ensure_loaded` (a dict
+        lookup; see :meth:`OnDemand.cold`)."""
+        return self.on_demand.cold(name)
+
+    async def ensure_loaded(self, name: str) -> None:
+        """Load ``name`` on demand, within the limits (see :meth:`OnDemand.ensure_loaded`).
+
+        Raises:
+            ModelNotFoundError: no such model.
+            ModelNotReadyError: it could not be loaded in time (the reason).
+        """
+        await self.on_demand.ensure_loaded(name)
 
     async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
         """Load ``name`` or, if loaded, apply the repository's current state to it (new and
@@ -256,6 +308,8 @@ class ModelManager(Router):
         async with self._lock(name):
             model = self.model(name)
             model.required = False
+            model.evicted = None  # stays unloaded (unless models load on demand)
+            model.memory_bytes = {}
             await self._executor.unload_all(model, "unload requested")
 
     async def rollback(self, name: str) -> int:

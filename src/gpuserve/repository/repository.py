@@ -2,7 +2,7 @@
 
 Layout::
 
-    <repository>/<model>/config.yaml
+    <repository>/<model>/config.yaml        (or Triton's config.pbtxt; config.yaml wins)
     <repository>/<model>/<version>/...      version folders are positive integers
 
 Every problem found is collected, so ``gpuserve models validate`` can report all of them at
@@ -28,6 +28,12 @@ from typing import Any
 
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, load_model_config, parse_model_config
 from gpuserve.errors import ConfigError, ModelNotFoundError
+from gpuserve.repository.triton_config import (
+    TRITON_CONFIG_FILENAME,
+    is_triton_config,
+    load_triton_config,
+    triton_config_from_json,
+)
 
 #: Files that mark a version folder as still being written.
 INCOMPLETE_MARKERS = (".incomplete", "INCOMPLETE")
@@ -86,6 +92,26 @@ class ModelEntry:
     def loadable(self) -> list[int]:
         """Version folders without a problem, ascending."""
         return [v for v in self.available if self.folders[v].problem is None]
+
+
+def config_file(model_path: Path) -> Path | None:
+    """The model folder's configuration file: ``config.yaml``, else Triton's
+    ``config.pbtxt``, else None."""
+    for name in (CONFIG_FILENAME, TRITON_CONFIG_FILENAME):
+        if (model_path / name).is_file():
+            return model_path / name
+    return None
+
+
+def read_config_file(path: Path) -> ModelConfig:
+    """Validate a ``config.yaml`` or a ``config.pbtxt`` (by its name).
+
+    Raises:
+        ConfigError: unreadable, unparsable or invalid; names the file, field and value.
+    """
+    if path.name == TRITON_CONFIG_FILENAME:
+        return load_triton_config(path)
+    return load_model_config(path)
 
 
 def version_folders(model_path: Path) -> list[int]:
@@ -154,7 +180,8 @@ def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
 
     Args:
         path: The model folder.
-        config: Use this configuration instead of reading ``config.yaml``.
+        config: Use this configuration instead of reading ``config.yaml`` (or
+            ``config.pbtxt``).
     """
     entry = ModelEntry(path.name, path)
     if escapes(path, path.parent):
@@ -164,7 +191,7 @@ def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
         entry.config = config
     else:
         try:
-            entry.config = load_model_config(path / CONFIG_FILENAME)
+            entry.config = read_config_file(config_file(path) or path / CONFIG_FILENAME)
         except ConfigError as err:
             entry.error = err.message
             return entry
@@ -194,8 +221,9 @@ def read_model(path: Path, override: dict[str, Any] | None = None) -> ModelEntry
 
     Args:
         path: The model folder.
-        override: A complete model configuration (the ``config.yaml`` fields, as JSON) to use
-            instead of ``config.yaml``, or None.
+        override: A complete model configuration to use instead of the folder's config file,
+            as JSON: ``config.yaml``'s fields, or Triton's ModelConfig (told apart by
+            :func:`~gpuserve.repository.triton_config.is_triton_config`); or None.
 
     Raises:
         ModelNotFoundError: no such model folder (or no ``config.yaml`` and no override).
@@ -203,18 +231,24 @@ def read_model(path: Path, override: dict[str, Any] | None = None) -> ModelEntry
     """
     if not path.is_dir() or path.name.startswith((".", "_")):
         raise ModelNotFoundError(f"no model '{path.name}' in the repository {path.parent}")
-    if override is None and not (path / CONFIG_FILENAME).is_file():
+    if override is None and config_file(path) is None:
         raise ModelNotFoundError(
-            f"no model '{path.name}' in the repository {path.parent} (no {CONFIG_FILENAME})"
+            f"no model '{path.name}' in the repository {path.parent} (no {CONFIG_FILENAME} "
+            f"or {TRITON_CONFIG_FILENAME})"
         )
     config = None
     if override is not None:
-        config = parse_model_config(override, Path(f"<load request for {path.name}>"), path.name)
+        where = Path(f"<load request for {path.name}>")
+        if is_triton_config(override):
+            config = triton_config_from_json(override, where, path.name)
+        else:
+            config = parse_model_config(override, where, path.name)
     return scan_model(path, config)
 
 
 def scan_repository(root: Path) -> list[ModelEntry]:
-    """Every model folder (a sub-folder holding ``config.yaml``) of ``root``, by name.
+    """Every model folder (a sub-folder holding ``config.yaml`` or ``config.pbtxt``) of
+    ``root``, by name.
 
     Raises:
         ConfigError: ``root`` is not a readable folder.
@@ -224,11 +258,15 @@ def scan_repository(root: Path) -> list[ModelEntry]:
     entries = []
     for child in sorted(root.iterdir()):
         if child.is_dir() and not child.name.startswith((".", "_")):
-            if (child / CONFIG_FILENAME).is_file():
+            if config_file(child) is not None:
                 entries.append(scan_model(child))
             elif any(c.is_dir() and c.name.isascii() and c.name.isdigit() for c in child.iterdir()):
                 entries.append(
-                    ModelEntry(child.name, child, error=f"{child}: missing {CONFIG_FILENAME}")
+                    ModelEntry(
+                        child.name,
+                        child,
+                        error=f"{child}: missing {CONFIG_FILENAME} (or {TRITON_CONFIG_FILENAME})",
+                    )
                 )
     return entries
 

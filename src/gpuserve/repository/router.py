@@ -10,7 +10,9 @@ Server readiness rule (documented in the README): the server is ready when the i
 has finished, it is not shutting down, and at least one model version is READY. With
 ``strict_readiness`` every *required* model must have a READY version instead: the models
 loaded at start and those loaded since, until they are unloaded or removed. A failed load
-never turns a serving server unready, and an empty server is never ready (BC-16, BC-17).
+never turns a serving server unready, and an empty server is never ready (BC-16, BC-17),
+except with ``load_on_demand``, where models load at their first request: the server is
+then ready with nothing loaded (non-strict rule).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Router:
         initial_load_done: The initial load has finished.
         shutting_down: The server is shutting down (not ready; set by the manager and the
             server runner).
+        ready_when_empty: Models load on demand: ready with nothing loaded (non-strict rule).
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class Router:
         self.strict_readiness = strict_readiness
         self.initial_load_done = False
         self.shutting_down = False
+        self.ready_when_empty = False
 
     def model(self, name: str) -> Model:
         """The model called ``name``.
@@ -59,7 +63,11 @@ class Router:
         model = self.models.get(name)
         if model is None:
             known = ", ".join(sorted(self.models)) or "none"
-            raise ModelNotFoundError(f"unknown model '{name}' (models in the repository: {known})")
+            # Triton's wording, which Triton's clients and tools look for.
+            raise ModelNotFoundError(
+                f"Request for unknown model: '{name}' is not found "
+                f"(models in the repository: {known})"
+            )
         return model
 
     def version(self, name: str, version: str | None) -> ModelVersion:
@@ -128,6 +136,8 @@ class Router:
             return False
         models = list(self.models.values())
         if not self.strict_readiness:
+            if self.ready_when_empty:
+                return True
             return any(m.route.default is not None for m in models)
         required = [m for m in models if m.required]
         return bool(required) and all(m.route.default is not None for m in required)

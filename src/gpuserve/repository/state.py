@@ -133,6 +133,13 @@ class Model:
         required: Counts for strict readiness (loaded at start, or loaded since).
         entry: The repository scan the loaded set was last brought in line with (rollback
             and canary work from it, so they never pick up unrelated repository changes).
+        pinned: Loaded explicitly at start: never evicted nor unloaded when idle (a config
+            with ``pinned: true`` pins it too).
+        loaded_at_s: When it last loaded (wall-clock seconds; counts as a use for LRU).
+        memory_bytes: Memory it gained while loading, by device (``cpu``, ``cuda:<n>``),
+            bytes; empty when not loaded or not measured.
+        evicted: Why it was last unloaded to make room or when idle (``lru``, ``memory``,
+            ``idle``), or None: its next request loads it again.
     """
 
     name: str
@@ -152,6 +159,10 @@ class Model:
     history: list[int] = field(default_factory=list)
     required: bool = False
     entry: ModelEntry | None = None
+    pinned: bool = False
+    loaded_at_s: float = 0.0
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    evicted: str | None = None
 
     def ready_versions(self) -> list[int]:
         """READY version numbers, ascending."""

@@ -23,12 +23,14 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuserve.config import ServerConfig
+from gpuserve.errors import ConfigError
 from gpuserve.metrics import MetricsHttpServer, ServerMetrics
 from gpuserve.repository.devices import freeze_loaded_objects
 from gpuserve.server import logs
 from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
-from gpuserve.server.http.connection import HttpListener
+from gpuserve.server.http.listener import HttpListener
+from gpuserve.server.startup import StartupError, listeners, port_error, repository_problem
 from gpuserve.service.inference import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -54,10 +56,21 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def _ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The TLS context of ``--tls-cert-file``/``--tls-key-file``, or None without them.
+
+    Raises:
+        StartupError: the files cannot be read or do not hold a matching PEM pair.
+    """
     if config.tls_cert_file is None or config.tls_key_file is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    try:
+        context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    except (OSError, ssl.SSLError) as err:
+        raise StartupError(
+            f"--tls-cert-file {config.tls_cert_file} / --tls-key-file {config.tls_key_file}: "
+            f"cannot load the certificate and key ({getattr(err, 'strerror', None) or err})"
+        ) from None
     return context
 
 
@@ -99,6 +112,9 @@ class GpuServer:
         self._stopping = False
         self._forced = False
         self._stop_task: asyncio.Task[None] | None = None
+        #: Why the server stopped on its own (the repository could not be read at start),
+        #: or None; :meth:`run` then exits with status 1.
+        self.fatal: str | None = None
 
     # -- running ---------------------------------------------------------------------------
 
@@ -106,10 +122,14 @@ class GpuServer:
         """Serve until a signal (or :meth:`stop`) ends it. Blocks.
 
         Raises:
-            SystemExit: (status 1) a listener could not be bound; the error is logged.
+            SystemExit: (status 1) the model repository is not a readable folder, a listener
+                could not be bound, or the TLS files cannot be loaded; one line naming the
+                setting is logged (no traceback).
         """
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(self._serve())
+        if self.fatal is not None:
+            raise SystemExit(1)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -122,7 +142,7 @@ class GpuServer:
         try:
             try:
                 await self._startup()
-            except OSError as err:
+            except StartupError as err:
                 logger.error("could not start: %s", err)
                 await self._shutdown()
                 raise SystemExit(1) from None
@@ -140,25 +160,49 @@ class GpuServer:
                     loop.remove_signal_handler(sig)
 
     async def _startup(self) -> None:
-        """Metrics port, gRPC, HTTP listener, then the model load in the background.
+        """The repository check, metrics port, gRPC, HTTP listener, then the model load in
+        the background.
 
         Raises:
-            OSError: a port cannot be bound.
+            StartupError: the repository is not a readable folder, a port cannot be bound,
+                or the TLS files cannot be loaded (one line naming the setting).
         """
-        port = self.config.metrics_port
-        if port is not None and port >= 0:
-            self.metrics_server = MetricsHttpServer(self.metrics.registry, self.config.host, port)
-            self.metrics_server.start()
-        if self.config.grpc_port >= 0:  # on this loop; a bind failure fails startup
-            self.grpc = GrpcServer(self.service, self.config)
-            await self.grpc.start()
-        await self.http.start(self.config.host, self.config.http_port, _ssl_context(self.config))
-        logger.info("loading models from %s", self.config.model_repository)
+        config = self.config
+        problem = repository_problem(config.model_repository)
+        if problem is not None:
+            raise StartupError(problem)
+        tls = _ssl_context(config)
+        metrics, grpc, http = listeners(config)
+        host = config.host
+        if metrics.port >= 0:
+            self.metrics_server = MetricsHttpServer(self.metrics.registry, host, metrics.port)
+            try:
+                self.metrics_server.start()
+            except OSError as err:
+                self.metrics_server = None
+                raise port_error(metrics, host, err) from None
+        if grpc.port >= 0:  # on this loop; a bind failure fails startup
+            self.grpc = GrpcServer(self.service, config)
+            try:
+                await self.grpc.start()
+            except (OSError, RuntimeError) as err:  # grpc.aio reports "Failed to bind"
+                self.grpc = None
+                raise port_error(grpc, host, err) from None
+        try:
+            await self.http.start(host, http.port, tls)
+        except OSError as err:
+            raise port_error(http, host, err) from None
+        logger.info("loading models from %s", config.model_repository)
         self._load_task = asyncio.get_running_loop().create_task(self._load())
 
     async def _load(self) -> None:
         try:
             await self.service.load_all()
+        except ConfigError as err:  # the repository folder went away or cannot be read
+            self.fatal = str(err)
+            logger.error("could not start: %s: stopping", err)
+            self.service.initial_load_failed()
+            self._exit_now()  # nothing was admitted yet: no drain
         except Exception:
             logger.exception("model repository could not be loaded")
             self.service.initial_load_failed()

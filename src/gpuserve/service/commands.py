@@ -18,7 +18,13 @@ from typing import Any
 import orjson
 
 from gpuserve.config import ServerConfig
-from gpuserve.errors import InvalidInputError, PermissionDeniedError, UnauthenticatedError
+from gpuserve.errors import (
+    ConfigError,
+    InvalidInputError,
+    ModelNotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from gpuserve.repository.manager import ModelManager
 from gpuserve.service.auth import Tokens
 from gpuserve.service.names import check_model_name, check_override_paths
@@ -60,6 +66,15 @@ def config_from_json(config: Any) -> dict[str, Any]:
             f"parameter 'config' must be a JSON object, got {type(config).__name__}"
         )
     return config
+
+
+def failed_to_load(name: str, message: str) -> str:
+    """A load failure in Triton's wording, ``failed to load '<name>': <why>``, which Triton's
+    clients and tools look for."""
+    ours = f"failed to load model '{name}'"
+    if message.startswith(ours):
+        return f"failed to load '{name}'" + message[len(ours) :]
+    return f"failed to load '{name}': {message}"
 
 
 class RepositoryCommands:
@@ -126,7 +141,9 @@ class RepositoryCommands:
 
     async def load(self, name: str, config: dict[str, Any] | None = None) -> ModelStatusView:
         """Load or reload ``name`` (explicit mode), with ``config`` (the model configuration
-        as a JSON object) in place of its ``config.yaml`` when given.
+        as a JSON object: ``config.yaml``'s fields, or Triton's ModelConfig JSON, told apart by
+        :func:`~gpuserve.repository.triton_config.is_triton_config`) in place of its config
+        file when given. A failure's message starts with Triton's ``failed to load '<name>'``.
 
         Raises:
             InvalidInputError: a bad name or a configuration pointing outside the model.
@@ -135,7 +152,10 @@ class RepositoryCommands:
         check_model_name(name)
         if config is not None:
             check_override_paths(config)
-        await self.manager.load(name, config)
+        try:
+            await self.manager.load(name, config)
+        except (ConfigError, ModelNotFoundError) as err:
+            raise type(err)(failed_to_load(name, err.message)) from None
         return self._changed("load", name)
 
     async def unload(self, name: str) -> ModelStatusView:

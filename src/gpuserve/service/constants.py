@@ -11,7 +11,7 @@ SERVER_NAME = "gpuserve"
 EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "model_repository")
 
 #: gpuserve backend -> the platform name Triton clients know (others report the backend).
-PLATFORM = {"python": "python", "torch": "pytorch_libtorch"}
+PLATFORM = {"python": "python", "torch": "pytorch_libtorch", "onnx": "onnxruntime_onnx"}
 
 
 def platform(backend: str) -> str:

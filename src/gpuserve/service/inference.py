@@ -14,6 +14,12 @@ which runs admission once, in this order:
 5. install the front end's cancellation probe (a queued request whose client went away is
    dropped before it runs).
 
+A model that is not loaded but loads on demand (``load_on_demand``, or a model evicted or
+unloaded when idle) is loaded first: a front end asks :meth:`InferenceService.cold` (a dict
+lookup, so a loaded model's request pays nothing more) and only then awaits
+:meth:`InferenceService.ensure_loaded` before calling :meth:`~InferenceService.admit`, with
+no await in between.
+
 Then :meth:`InferenceService.submit` queues it without a task (the HTTP front end answers from
 the future's done callback) or :meth:`InferenceService.run` awaits it (gRPC handlers; cancelling
 the awaiting task takes the request out of the queue). Statistics and Prometheus series of the
@@ -127,9 +133,30 @@ class InferenceService:
         metrics = ServerMetrics(manager) if with_metrics else None
         if metrics is not None:
             manager.version_listeners.append(metrics.watch_version)
+            manager.on_demand.listeners.append(metrics.on_residency)
         return cls(manager, config, metrics)
 
     # -- admission -------------------------------------------------------------------------
+
+    def cold(self, model: str) -> bool:
+        """Whether a request for ``model`` must await :meth:`ensure_loaded` before
+        :meth:`admit` (it loads on demand and serves nothing now). A dict lookup."""
+        return self.manager.cold(model)
+
+    async def ensure_loaded(self, model: str) -> None:
+        """Load ``model`` on demand (making room under the limits), waiting up to its
+        queue timeout; requests waiting for the same model share one load. Call
+        :meth:`admit` right after, without awaiting in between.
+
+        Raises:
+            GpuserveError: 404 unknown model; 503 when it could not be loaded in time (the
+                reason: e.g. every loaded model pinned or busy). Already counted.
+        """
+        try:
+            await self.manager.ensure_loaded(model)
+        except GpuserveError as err:
+            self.record_unrouted(model, None, err.reason)
+            raise
 
     def admit(
         self,

@@ -81,6 +81,26 @@ def _tensors(items: Sequence[Mapping[str, Any]]) -> tuple[TensorMetadata, ...]:
     return tuple(TensorMetadata(t["name"], t["datatype"], tuple(t["shape"])) for t in items)
 
 
+def _config_tensors(items: Sequence[Mapping[str, Any]]) -> tuple[TensorMetadata, ...]:
+    """Tensors of Triton's ModelConfig JSON (``data_type: TYPE_FP32``, ``dims``)."""
+    return tuple(
+        TensorMetadata(t["name"], _CONFIG_DATATYPES[t["data_type"]], tuple(t["dims"]))
+        for t in items
+    )
+
+
+#: Triton's ModelConfig ``TYPE_*`` -> V2 datatype (``TYPE_STRING`` is BYTES).
+_CONFIG_DATATYPES = {
+    **{f"TYPE_{name}": name for name in ("BOOL", "FP16", "FP32", "FP64")},
+    **{
+        f"TYPE_{kind}{bits}": f"{kind}{bits}"
+        for kind in ("INT", "UINT")
+        for bits in (8, 16, 32, 64)
+    },
+    "TYPE_STRING": "BYTES",
+}
+
+
 class HttpFrontend:
     """A client of ``url`` (``http://host:port``) over HTTP.
 
@@ -167,20 +187,28 @@ class HttpFrontend:
         return self._flag(_model_path(model, version) + "/ready", "ready")
 
     def config(self, model: str, version: str | None = None) -> ModelConfigView:
+        """Triton's ModelConfig JSON (the same content as gRPC's ModelConfig)."""
         body = self._ok("GET", _model_path(model, version) + "/config")
         batching = body["dynamic_batching"]
-        return ModelConfigView(
+        policy = batching["default_queue_policy"]
+        view = ModelConfigView(
             name=body["name"],
             platform=body["platform"],
             backend=body["backend"],
             max_batch_size=body["max_batch_size"],
-            inputs=_tensors(body["inputs"]),
-            outputs=_tensors(body["outputs"]),
-            max_queue_delay_us=batching["max_queue_delay_us"],
-            max_queue_size=batching["max_queue_size"],
-            default_timeout_us=batching["default_timeout_us"],
+            inputs=_config_tensors(body["input"]),
+            outputs=_config_tensors(body["output"]),
+            max_queue_delay_us=batching["max_queue_delay_microseconds"],
+            max_queue_size=policy["max_queue_size"],
+            default_timeout_us=policy["default_timeout_microseconds"],
             priority_levels=batching["priority_levels"],
         )
+        # gpuserve's own view of the same configuration agrees.
+        own = self._ok("GET", _model_path(model, version) + "/config/gpuserve")
+        assert own["max_batch_size"] == view.max_batch_size
+        assert _tensors(own["inputs"]) == view.inputs
+        assert own["dynamic_batching"]["max_queue_delay_us"] == view.max_queue_delay_us
+        return view
 
     def stats(self, model: str | None = None, version: str | None = None) -> list[ModelStats]:
         path = "/v2/models/stats" if model is None else _model_path(model, version) + "/stats"

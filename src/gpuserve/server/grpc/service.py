@@ -282,7 +282,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Admit, queue, run and encode one request (errors propagate as GpuserveError).
         The handler task is cancelled when the client goes away (the scheduler then drops
         the queued request); the probe also catches a client gone just before its batch
-        forms."""
+        forms. A model that loads on demand is loaded first (then admitted without an
+        await in between)."""
+        if self.service.cold(request.model_name):
+            await self.service.ensure_loaded(request.model_name)
         admission = self.service.admit(
             request.model_name,
             request.model_version or None,

@@ -9,13 +9,17 @@ extensions):
     GET  /v2/models/{m}[/versions/{v}]        model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready  model readiness
     POST /v2/models/{m}[/versions/{v}]/infer  inference (JSON or binary tensor extension)
-    GET  /v2/models/{m}[/versions/{v}]/config the model's configuration
+    GET  /v2/models/{m}[/versions/{v}]/config the model's configuration as Triton's ModelConfig
+                                              JSON (gRPC's content); gpuserve's own fields
+                                              at .../config/gpuserve or ?format=gpuserve
     GET  /v2/models[/{m}[/versions/{v}]]/stats statistics extension
     POST /v2/repository/index                 every model version and its state
     POST /v2/repository/models/{m}/...        load, unload, rollback, canary (see
                                               gpuserve.server.http.repository)
     GET  /v2/openapi.json                     this API as an OpenAPI 3 document
     GET  /metrics                             Prometheus metrics
+    POST /v1/embeddings, GET /v1/models[/{m}] OpenAI-compatible embeddings (see
+                                              gpuserve.server.http.openai; OpenAI's errors)
 
 With an API token configured, every endpoint but the health checks, ``/metrics`` and
 ``/v2/openapi.json`` needs ``Authorization: Bearer <token>`` (401 without it; see
@@ -41,10 +45,11 @@ from gpuserve.config import ServerConfig
 from gpuserve.errors import GpuserveError, UnauthenticatedError
 from gpuserve.protocol.http_codec import HttpInferBody, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
+from gpuserve.server.http import openai
 from gpuserve.server.http import views as encode
-from gpuserve.server.http.connection import JSON, HttpRequest
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository import RepositoryApi
+from gpuserve.server.http.request import JSON, HttpRequest
 from gpuserve.server.security import OPEN_HTTP_PATHS, Redactor, Tokens
 from gpuserve.server.status import http_status
 from gpuserve.server.timing import (
@@ -96,6 +101,9 @@ class HttpApp:
         self.redactor = Redactor(config.model_repository)
         self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.openai = openai.OpenAIApi(
+            service, self.tokens, self.limits, self.redactor, config.access_log, self._spawn
+        )
 
     # -- request handling ------------------------------------------------------------------
 
@@ -105,6 +113,9 @@ class HttpApp:
         method = "GET" if request.method == "HEAD" else request.method  # the body is dropped
         path = request.path
         try:
+            if openai.handles(path):  # OpenAI's errors, auth included
+                self.openai.handle(request, method)
+                return
             if (
                 self.tokens.api is not None
                 and path not in OPEN_HTTP_PATHS
@@ -125,7 +136,7 @@ class HttpApp:
             if method == "POST" and self.repository.handles(path):
                 self._spawn(self._repository(request))
                 return
-            status, payload = self._route(method, path)
+            status, payload = self._route(method, path, request.query)
         except Exception as err:
             self._fail(request, err)
             return
@@ -185,6 +196,14 @@ class HttpApp:
         wire = HttpInferBody(
             request.body, None if header is None else header.decode("latin-1"), self.limits
         )
+        if self.service.cold(name):  # loads on demand first; a loaded model never gets here
+            self._spawn(self._infer_cold(request, name, version, wire))
+            return
+        self._admit(request, name, version, wire)
+
+    def _admit(
+        self, request: HttpRequest, name: str, version: str | None, wire: HttpInferBody
+    ) -> None:
         # A request whose client disconnects while it waits is dropped when its batch forms,
         # so it never runs (BC-11). The probe reads the connection's state lazily: watching
         # each connection would cost more than the check.
@@ -192,6 +211,18 @@ class HttpApp:
         request.access = admission
         future = self.service.submit(admission)
         future.add_done_callback(lambda done: self._infer_done(request, done, wire, admission))
+
+    async def _infer_cold(
+        self, request: HttpRequest, name: str, version: str | None, wire: HttpInferBody
+    ) -> None:
+        """A request for a model that loads on demand: wait for the load (up to the model's
+        queue timeout), then admit it as any other (no await in between, so the model cannot
+        be evicted before the request is queued)."""
+        try:
+            await self.service.ensure_loaded(name)
+            self._admit(request, name, version, wire)
+        except Exception as err:
+            self._fail(request, err)
 
     def _infer_done(
         self,
@@ -245,7 +276,7 @@ class HttpApp:
         parts = path.split("/")  # ['', 'v2', 'models', name, ...]
         self.service.record_unrouted(parts[3] if len(parts) > 3 else "", None, reason)
 
-    def _route(self, method: str, path: str) -> tuple[int, bytes]:
+    def _route(self, method: str, path: str, query: bytes = b"") -> tuple[int, bytes]:
         path = path.rstrip("/") or "/"
         views = self.service.views
         if method == "GET":
@@ -268,10 +299,12 @@ class HttpApp:
                 if rest == "ready":
                     ready_view = views.model_ready(name, version)
                     return (200 if ready_view.ready else 503), self.redactor.json(
-                        encode.ready(ready_view)
+                        encode.ready(ready_view, name)
                     )
-                if rest == "config":
+                if rest == "config" and b"format=gpuserve" not in query:
                     return 200, encode.model_config(views.model_config(name, version))
+                if rest in ("config", "config/gpuserve"):
+                    return 200, encode.gpuserve_config(views.model_config(name, version))
                 if rest == "stats":
                     return 200, encode.statistics(views.statistics(name, version))
         if path.startswith("/v2"):

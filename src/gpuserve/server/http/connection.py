@@ -33,14 +33,12 @@ persistence and pipelining).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Any, Protocol
 from urllib.parse import unquote
 
 import httptools
@@ -53,109 +51,18 @@ from gpuserve.server.http.encoding import (
     decode_body,
     encode_body,
 )
+from gpuserve.server.http.request import Handler, HttpRequest
 
 logger = logging.getLogger(__name__)
 
 Headers = list[tuple[bytes, bytes]]
 
-JSON = b"application/json"
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 16  # parsed requests waiting per connection before reading pauses
 _WRITELINES_FROM = 64 * 1024  # bodies this large are not copied into one buffer with the head
 _LINGER_S = 1.0  # how long a refused connection's unread input is drained before closing
 _READ_BUFFER = 256 * 1024  # the socket is read straight into this (BufferedProtocol)
-
-
-class Handler(Protocol):
-    """What answers requests: called on the event loop for each complete request."""
-
-    def handle(self, request: HttpRequest) -> None: ...
-
-
-class HttpRequest:
-    """One complete HTTP request.
-
-    Attributes:
-        method: ``"GET"``, ``"POST"``, ... (str).
-        path: The percent-decoded path, e.g. ``/v2/models/m/infer`` (str).
-        query: The raw query string without ``?`` (bytes, may be empty).
-        headers: ``(name, value)`` pairs in arrival order; names lower case (bytes).
-        body: The whole body (bytes, or a bytearray when it arrived in several pieces;
-            chunked transfer coding already removed).
-        started_s: ``time.monotonic()`` when the request was complete (seconds).
-        keep_alive: Whether the connection may carry another request after this one.
-        access: Set by the handler for the access log (model, version, request), or None.
-    """
-
-    __slots__ = (
-        "access",
-        "answer_coding",
-        "answered",
-        "body",
-        "connection",
-        "error",
-        "headers",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "started_s",
-    )
-
-    def __init__(
-        self,
-        connection: HttpConnection,
-        method: str,
-        path: str,
-        query: bytes,
-        headers: Headers,
-        body: bytes | bytearray,
-        keep_alive: bool,
-        error: tuple[int, str] | None = None,
-    ) -> None:
-        self.connection = connection
-        self.method = method
-        self.path = path
-        self.query = query
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self.error = error  # set by the connection: answer this status and message
-        self.started_s = time.monotonic()
-        self.access: Any = None
-        self.answered = False
-        self.answer_coding: bytes | None = None  # gzip/deflate: compress the answer
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of header ``name`` (lower case), or None."""
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-    @property
-    def client(self) -> tuple[str, int] | None:
-        """The peer's (host, port), or None when unknown (e.g. a Unix socket)."""
-        return self.connection.client
-
-    def is_disconnected(self) -> bool:
-        """Whether the client has closed the connection (it will get no answer)."""
-        return self.connection.closed
-
-    def respond(
-        self,
-        status: int,
-        body: bytes,
-        content_type: bytes = JSON,
-        headers: Iterable[tuple[bytes, bytes]] = (),
-    ) -> None:
-        """Send the response (once; later calls are ignored). ``body`` is sent as is, with
-        ``content-length``; a large body is written without being copied into the head."""
-        if self.answered:
-            return
-        self.answered = True
-        self.connection.write_response(self, status, body, content_type, headers)
 
 
 class _DateHeader:
@@ -611,84 +518,3 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._in_head = False
         self._pause_reading()
         self._enqueue(HttpRequest(self, "", "", b"", [], b"", False, (status, message)))
-
-
-class HttpListener:
-    """The listening socket and its connections.
-
-    Args:
-        handler: Answers each request.
-        max_header_bytes / max_body_bytes / keep_alive_timeout_s: See :class:`HttpConnection`.
-    """
-
-    def __init__(
-        self,
-        handler: Handler,
-        max_header_bytes: int,
-        max_body_bytes: int,
-        keep_alive_timeout_s: float,
-    ) -> None:
-        self.connections: set[HttpConnection] = set()
-        self.server: asyncio.base_events.Server | None = None
-        self._all_closed: asyncio.Event | None = None
-        # Every connection of this listener's loop shares one read buffer (see HttpConnection).
-        self._connection = functools.partial(
-            HttpConnection,
-            handler,
-            max_header_bytes,
-            max_body_bytes,
-            keep_alive_timeout_s,
-            self._closed,
-            self.connections.add,
-            memoryview(bytearray(_READ_BUFFER)),
-        )
-
-    def _closed(self, connection: HttpConnection) -> None:
-        self.connections.discard(connection)
-        if not self.connections and self._all_closed is not None:
-            self._all_closed.set()
-
-    async def start(self, host: str, port: int, ssl: Any = None, backlog: int = 4096) -> None:
-        """Listen on ``host:port`` (``port`` 0 picks a free one).
-
-        Raises:
-            OSError: the address cannot be bound (in use, no permission).
-        """
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            self._connection, host, port, ssl=ssl, backlog=backlog, reuse_address=True
-        )
-
-    @property
-    def port(self) -> int | None:
-        """The bound port, or None before :meth:`start`."""
-        if self.server is None:
-            return None
-        for sock in self.server.sockets:
-            return int(sock.getsockname()[1])
-        return None
-
-    def stop_accepting(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-    async def close(self, timeout_s: float) -> None:
-        """Close idle connections now and the others once their current answer is sent;
-        after ``timeout_s`` seconds abort those left."""
-        self.stop_accepting()
-        self._all_closed = asyncio.Event()
-        for connection in list(self.connections):
-            connection.shutdown()
-        if self.connections:
-            try:
-                await asyncio.wait_for(self._all_closed.wait(), timeout_s)
-            except TimeoutError:
-                logger.warning(
-                    "closing %d HTTP connections whose requests did not finish in %.1f s",
-                    len(self.connections),
-                    timeout_s,
-                )
-                for connection in list(self.connections):
-                    connection.abort()
-        if self.server is not None:
-            self.server.close()

@@ -13,6 +13,7 @@ Invalid UTF-8 in TEXT is decoded with replacement characters, not refused (see
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,12 @@ class Model(PythonModel):
 
     def warmup(self) -> None:
         self.embedder.encode(["gpuserve warms up the text embedding model."])
+        self.embedder.count_tokens(["gpuserve warms up the token counter."])
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text after truncation, as embedded (``usage`` of ``/v1/embeddings``).
+        Called from a worker thread per request; never touches the CPU stage's tokenizer."""
+        return self.embedder.count_tokens(texts)
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> TokenizedBatch:
         return self.embedder.tokenize(decode_texts(inputs["TEXT"]))

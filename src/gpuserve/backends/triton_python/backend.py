@@ -1,0 +1,235 @@
+"""Backend ``python``: gpuserve's ``Model`` class, or Triton's ``TritonPythonModel``.
+
+Which one runs is decided by what ``<version>/model.py`` defines: a class ``Model`` runs on
+:class:`~gpuserve.backends.python.PythonBackend`'s hooks; a class ``TritonPythonModel`` (and no
+``Model``) runs with Triton's Python backend API:
+
+* ``initialize(args)`` at load, with ``args`` as Triton gives it: ``model_config`` (Triton's
+  ModelConfig as a JSON string), ``model_instance_kind`` (``CPU``/``GPU``),
+  ``model_instance_device_id``, ``model_instance_name``, ``model_repository`` (the model's
+  folder), ``model_version`` and ``model_name``;
+* ``execute(requests)`` once per batch, with one :class:`~.utils.InferenceRequest` per
+  request; it returns one :class:`~.utils.InferenceResponse` per request, in order. A response
+  with an error fails only its request; an exception from ``execute`` fails the whole batch;
+* ``finalize()`` at unload.
+
+Batch boundaries: the engine hands a backend the batch's rows, not its requests, so a model
+with ``max_batch_size > 0`` gets one ``InferenceRequest`` per row (shape ``[1, ...]``), which a
+Triton model treats as it treats any request with its own batch dimension; the rows of its
+responses go back to the requests that sent them. With ``max_batch_size: 0`` every request is
+its own batch and ``execute`` gets it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.backends.loader import import_module_from_path
+from gpuserve.backends.python import PythonBackend
+from gpuserve.backends.triton_python import utils as pb_utils
+from gpuserve.datatypes import numpy_dtype
+from gpuserve.errors import BackendError, ConfigError, InvalidInputError
+from gpuserve.protocol.triton_model_config import triton_model_config_dict
+
+#: The name Triton models import the utilities under.
+UTILS_MODULE = "triton_python_backend_utils"
+
+_INVALID = {pb_utils.TritonError.INVALID_ARG, pb_utils.TritonError.NOT_FOUND}
+
+
+def register_utils() -> None:
+    """Make ``import triton_python_backend_utils`` find :mod:`.utils` (once per process; a
+    module already registered under that name is left alone)."""
+    sys.modules.setdefault(UTILS_MODULE, pb_utils)
+
+
+def model_args(context: LoadContext) -> dict[str, str]:
+    """The ``args`` of ``TritonPythonModel.initialize`` for one instance."""
+    config = context.config
+    name = config.name or ""
+    device_kind, _, device_id = context.device.partition(":")
+    return {
+        "model_config": json.dumps(triton_model_config_dict(name, "python", config)),
+        "model_instance_kind": "GPU" if device_kind == "cuda" else "CPU",
+        "model_instance_device_id": device_id or "0",
+        "model_instance_name": f"{name}_{context.instance_index}",
+        "model_repository": str(context.version_path.parent),
+        "model_version": str(context.version),
+        "model_name": name,
+    }
+
+
+@dataclass(slots=True)
+class _Executed:
+    """What ``execute`` returned for one batch."""
+
+    requests: int
+    responses: list[Any]
+
+
+class TritonPythonRunner(Backend):
+    """Runs a ``TritonPythonModel`` class (see the module docstring).
+
+    Args:
+        cls: The user's ``TritonPythonModel`` class.
+    """
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.model: Any = None
+        self.batched = False
+        self.inputs: list[str] = []
+        self.outputs: list[tuple[str, np.dtype]] = []
+
+    def load(self, context: LoadContext) -> None:
+        config = context.config
+        self.batched = config.max_batch_size > 0
+        self.inputs = [t.name for t in config.inputs]
+        self.outputs = [(t.name, numpy_dtype(t.datatype)) for t in config.outputs]
+        self.model = self.cls()
+        initialize = getattr(self.model, "initialize", None)
+        if initialize is not None:
+            initialize(model_args(context))
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> list[pb_utils.InferenceRequest]:
+        """One request per batch row (batching model) or one for the whole arrays."""
+        if not self.batched:
+            tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
+            return [pb_utils.InferenceRequest(tensors)]
+        rows = next(iter(inputs.values())).shape[0] if inputs else 0
+        return [
+            pb_utils.InferenceRequest(
+                [pb_utils.Tensor(name, array[row : row + 1]) for name, array in inputs.items()]
+            )
+            for row in range(rows)
+        ]
+
+    def forward(self, prepared: list[pb_utils.InferenceRequest]) -> _Executed:
+        responses = self.model.execute(prepared)
+        if not isinstance(responses, (list, tuple)) or len(responses) != len(prepared):
+            got = len(responses) if isinstance(responses, (list, tuple)) else type(responses)
+            raise BackendError(
+                f"TritonPythonModel.execute must return a list of one InferenceResponse per "
+                f"request: got {got} for {len(prepared)} request(s)"
+            )
+        return _Executed(len(prepared), list(responses))
+
+    def postprocess(self, raw: _Executed) -> dict[str, np.ndarray]:
+        """The responses' outputs stacked per output; a response with an error (or a missing
+        output) fails the request owning that row."""
+        errors: dict[int, Any] = {}
+        per_row: list[dict[str, np.ndarray]] = []
+        for index, response in enumerate(raw.responses):
+            arrays, problem = self._outputs_of(response)
+            if problem is not None:
+                errors[index] = problem
+            per_row.append(arrays)
+        outputs: dict[str, np.ndarray] = {}
+        for name, dtype in self.outputs:
+            good = [row[name] for index, row in enumerate(per_row) if index not in errors]
+            if not self.batched:
+                outputs[name] = good[0] if good else np.zeros((), dtype=dtype)
+                continue
+            filler = np.zeros_like(good[0]) if good else np.zeros((1,), dtype=dtype)
+            rows = [filler if index in errors else row[name] for index, row in enumerate(per_row)]
+            try:
+                outputs[name] = np.concatenate(rows, axis=0)
+            except ValueError as err:
+                raise BackendError(
+                    f"output '{name}': the responses' shapes cannot be batched: {err}"
+                ) from None
+        return RowErrors(outputs, errors) if errors else outputs
+
+    def _outputs_of(self, response: Any) -> tuple[dict[str, np.ndarray], Any]:
+        if not isinstance(response, pb_utils.InferenceResponse):
+            return {}, f"execute returned a {type(response).__name__}, not an InferenceResponse"
+        error = response.error()
+        if error is not None:
+            message = error.message() if hasattr(error, "message") else str(error)
+            code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
+            return {}, InvalidInputError(message) if code in _INVALID else BackendError(message)
+        arrays = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        missing = [name for name, _ in self.outputs if name not in arrays]
+        if missing:
+            return arrays, f"the response has no output(s) {missing}; it has {sorted(arrays)}"
+        if self.batched:
+            for name, _ in self.outputs:
+                if arrays[name].ndim == 0:
+                    arrays[name] = arrays[name].reshape(1)
+        return arrays, None
+
+    def unload(self) -> None:
+        finalize = getattr(self.model, "finalize", None)
+        if finalize is not None:
+            finalize()
+        self.model = None
+
+
+class PythonModelBackend(Backend):
+    """Backend ``python``: loads ``model.py`` once and runs its ``Model`` (gpuserve's hooks)
+    or its ``TritonPythonModel`` (Triton's API)."""
+
+    def __init__(self) -> None:
+        self.impl: Backend | None = None
+
+    def load(self, context: LoadContext) -> None:
+        path = context.version_path / "model.py"
+        if not path.is_file():
+            raise ConfigError(
+                f"{path}: backend 'python' needs a model.py defining class Model "
+                "(or Triton's TritonPythonModel)"
+            )
+        register_utils()
+        module = import_module_from_path(path, context.config.name or "model", context.version)
+        cls = getattr(module, "Model", None)
+        triton = getattr(module, "TritonPythonModel", None)
+        if isinstance(cls, type):
+            inner = PythonBackend()
+            inner.model = cls()
+            inner.model.context = context
+            inner.model.load(context)
+            self.impl = inner
+        elif isinstance(triton, type):
+            runner = TritonPythonRunner(triton)
+            runner.load(context)
+            self.impl = runner
+        else:
+            raise ConfigError(
+                f"{path}: no class named 'Model' (or Triton's 'TritonPythonModel') "
+                "(backend 'python')"
+            )
+
+    @property
+    def model(self) -> Any:
+        """The user's model object (a ``Model`` or a ``TritonPythonModel``), None when not
+        loaded: as :attr:`PythonBackend.model`."""
+        impl = self.impl
+        return None if impl is None else getattr(impl, "model", None)
+
+    def _impl(self) -> Backend:
+        if self.impl is None:
+            raise BackendError("the python backend is not loaded")
+        return self.impl
+
+    def warmup(self) -> None:
+        self._impl().warmup()
+
+    def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
+        return self._impl().preprocess(inputs)
+
+    def forward(self, prepared: Any) -> Any:
+        return self._impl().forward(prepared)
+
+    def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
+        return self._impl().postprocess(raw)
+
+    def unload(self) -> None:
+        if self.impl is not None:
+            self.impl.unload()
+        self.impl = None

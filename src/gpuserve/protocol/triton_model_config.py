@@ -1,0 +1,145 @@
+"""gpuserve's model configuration as Triton's ``inference.ModelConfig``: one mapping, sent as a
+protobuf message over gRPC (``ModelConfig``), as JSON over HTTP (``GET /v2/models/{m}/config``)
+and handed to Triton Python models as ``args["model_config"]``.
+
+The fields carried are those gpuserve has an equivalent for: name, platform/backend,
+max_batch_size, inputs and outputs with ``TYPE_*`` datatypes and dims, dynamic batching and its
+queue policy, instance groups, version policy, CUDA graphs and parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from google.protobuf import json_format
+
+from gpuserve.config import ModelConfig
+from gpuserve.protocol.protos import model_config_pb2 as mc
+
+#: V2 datatype -> Triton's model-configuration ``DataType`` (BYTES is ``TYPE_STRING``).
+CONFIG_DATATYPE: dict[str, mc.DataType] = {
+    "BOOL": mc.TYPE_BOOL,
+    "UINT8": mc.TYPE_UINT8,
+    "UINT16": mc.TYPE_UINT16,
+    "UINT32": mc.TYPE_UINT32,
+    "UINT64": mc.TYPE_UINT64,
+    "INT8": mc.TYPE_INT8,
+    "INT16": mc.TYPE_INT16,
+    "INT32": mc.TYPE_INT32,
+    "INT64": mc.TYPE_INT64,
+    "FP16": mc.TYPE_FP16,
+    "FP32": mc.TYPE_FP32,
+    "FP64": mc.TYPE_FP64,
+    "BYTES": mc.TYPE_STRING,
+}
+_KIND = {
+    "auto": mc.ModelInstanceGroup.KIND_AUTO,
+    "gpu": mc.ModelInstanceGroup.KIND_GPU,
+    "cpu": mc.ModelInstanceGroup.KIND_CPU,
+}
+#: 64-bit fields, which protobuf's JSON mapping writes as strings; Triton writes numbers.
+_INT64_FIELDS = {
+    "dims",
+    "max_queue_delay_microseconds",
+    "default_timeout_microseconds",
+    "versions",
+    "priority_levels",
+    "default_priority_level",
+}
+
+
+def _parameter_text(value: Any) -> str:
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def _version_policy(config: ModelConfig) -> mc.ModelVersionPolicy:
+    policy = config.version_policy
+    if policy.all is not None:
+        return mc.ModelVersionPolicy(all=mc.ModelVersionPolicy.All())
+    if policy.specific is not None:
+        return mc.ModelVersionPolicy(
+            specific=mc.ModelVersionPolicy.Specific(versions=policy.specific.versions)
+        )
+    latest = policy.latest.num_versions if policy.latest is not None else 1
+    return mc.ModelVersionPolicy(latest=mc.ModelVersionPolicy.Latest(num_versions=latest))
+
+
+def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.ModelConfig:
+    """Triton's ``ModelConfig`` message for ``config``.
+
+    Args:
+        name: The model name.
+        platform: The platform Triton clients know (``pytorch_libtorch``, ``onnx``, ...).
+        config: The configuration the model is served with.
+    """
+    db = config.dynamic_batching
+    return mc.ModelConfig(
+        name=name,
+        platform=platform,
+        backend=config.backend,
+        version_policy=_version_policy(config),
+        max_batch_size=config.max_batch_size,
+        input=[
+            mc.ModelInput(
+                name=t.name,
+                data_type=CONFIG_DATATYPE[t.datatype],
+                dims=t.shape,
+                optional=t.optional,
+            )
+            for t in config.inputs
+        ],
+        output=[
+            mc.ModelOutput(name=t.name, data_type=CONFIG_DATATYPE[t.datatype], dims=t.shape)
+            for t in config.outputs
+        ],
+        optimization=mc.ModelOptimizationPolicy(
+            cuda=mc.ModelOptimizationPolicy.Cuda(graphs=config.optimization.cuda_graphs)
+        ),
+        dynamic_batching=mc.ModelDynamicBatching(
+            preferred_batch_size=db.preferred_batch_sizes,
+            max_queue_delay_microseconds=db.max_queue_delay_us,
+            priority_levels=db.priority_levels,
+            default_priority_level=db.default_priority_level,
+            default_queue_policy=mc.ModelQueuePolicy(
+                timeout_action=mc.ModelQueuePolicy.REJECT,
+                default_timeout_microseconds=db.default_timeout_us,
+                allow_timeout_override=True,
+                max_queue_size=db.max_queue_size,
+            ),
+        ),
+        instance_group=[
+            mc.ModelInstanceGroup(
+                name=f"{name}_{index}", kind=_KIND[group.kind], count=group.count, gpus=group.gpus
+            )
+            for index, group in enumerate(config.instance_group)
+        ],
+        parameters={
+            key: mc.ModelParameter(string_value=_parameter_text(value))
+            for key, value in config.parameters.items()
+        },
+    )
+
+
+def _numbers(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _numbers(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v, key) for v in value]
+    if key in _INT64_FIELDS and isinstance(value, str):
+        return int(value)
+    return value
+
+
+def triton_model_config_dict(name: str, platform: str, config: ModelConfig) -> dict[str, Any]:
+    """:func:`triton_model_config` as Triton writes it in JSON: proto field names
+    (``max_batch_size``, ``data_type``), enums by name (``TYPE_FP32``, ``KIND_CPU``), every
+    field including zero values, 64-bit integers as numbers."""
+    message = triton_model_config(name, platform, config)
+    data = json_format.MessageToDict(
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+    )
+    result: dict[str, Any] = _numbers(data)
+    return result

@@ -1,0 +1,69 @@
+"""What a model holds in memory, measured around its load and warm-up (approximate).
+
+The process's resident host memory (RSS) and, when PyTorch has initialised CUDA, the memory
+PyTorch has allocated on each GPU are read before and after a model loads; the difference is
+the model's footprint. It is approximate: anything else the process allocates or frees while
+the model loads counts too (loads on demand run one at a time, which keeps that small), host
+memory the allocator keeps after a free is not returned, and memory outside PyTorch's
+allocator (ONNX Runtime on CUDA) is not seen on the GPU side.
+
+A model whose instances run on GPUs is measured by its GPU memory per device, a CPU model by
+host memory (key ``cpu``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+
+from gpuserve.repository.residency import HOST
+
+
+def host_rss_bytes() -> int:
+    """The process's resident host memory, bytes (0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        try:
+            import resource
+
+            # ru_maxrss is the peak (KiB on Linux): an upper bound where statm is missing
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        except (ImportError, OSError):
+            return 0
+
+
+def gpu_allocated_bytes() -> dict[str, int]:
+    """Bytes PyTorch has allocated per CUDA device (``cuda:<n>``); empty without CUDA in use."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {
+        f"cuda:{i}": int(torch.cuda.memory_allocated(i)) for i in range(torch.cuda.device_count())
+    }
+
+
+def sample() -> dict[str, int]:
+    """Host RSS (``cpu``) and GPU memory per device now, bytes."""
+    return {HOST: host_rss_bytes(), **gpu_allocated_bytes()}
+
+
+def footprint(
+    before: Mapping[str, int], after: Mapping[str, int], devices: Iterable[str]
+) -> dict[str, int]:
+    """A model's memory by device from samples around its load.
+
+    Args:
+        before / after: :func:`sample` before and after the load and warm-up.
+        devices: The devices its instances run on (``cpu``, ``cuda:0``, ...).
+
+    Returns:
+        GPU bytes per GPU device it uses when it has one, else host bytes under ``cpu``
+        (never negative).
+    """
+    gpus = sorted({d for d in devices if d.startswith("cuda")})
+    keys = [d if ":" in d else "cuda:0" for d in gpus] or [HOST]
+    return {k: max(0, after.get(k, 0) - before.get(k, 0)) for k in keys}

@@ -1,0 +1,374 @@
+"""Loading models at their first request, within limits, and unloading idle ones.
+
+:class:`OnDemand` carries out :mod:`gpuserve.repository.residency`'s decisions for the model
+manager:
+
+* :meth:`OnDemand.cold` (request path, a dict lookup): whether a request for a model must
+  wait for a load first (``load_on_demand``, or a model that was evicted or unloaded idle);
+* :meth:`OnDemand.ensure_loaded`: one load per model however many requests wait for it (they
+  share it, each up to its own deadline); before it, the least recently used models with
+  nothing queued or running are unloaded (drained, as any unload) until the limits leave
+  room; if nothing can be unloaded it waits for room until the last waiter's deadline, then
+  fails with the reason;
+* the idle loop unloads models with no request for their ``idle_unload_s``.
+
+Loads and evictions on demand run one at a time (one residency lock, taken before any
+model's lock), so the limits hold with loads in flight and each load's memory is measured
+alone. Events (:class:`ResidencyEvent`) go to listeners (the metrics layer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpuserve.errors import ModelNotReadyError
+from gpuserve.repository import footprint, residency
+from gpuserve.repository.executor import Change, take_config
+from gpuserve.repository.repository import read_model
+from gpuserve.repository.residency import IDLE, LRU, MEMORY, Limits, Resident
+from gpuserve.repository.state import Model, VersionState
+
+if TYPE_CHECKING:
+    from gpuserve.repository.manager import ModelManager
+
+logger = logging.getLogger(__name__)
+
+#: How often a load waiting for room looks again, seconds (cold path only).
+_ROOM_POLL_S = 0.02
+#: Longest sleep of the idle loop, seconds (models loaded meanwhile are seen then).
+_IDLE_POLL_MAX_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyEvent:
+    """A model loaded on demand, or was evicted / unloaded idle.
+
+    Attributes:
+        kind: ``load`` or ``evict``.
+        model: The model name.
+        reason: For ``evict``: ``lru``, ``memory`` or ``idle``; "" for ``load``.
+        seconds: For ``load``: how long the load and warm-up took.
+        ok: For ``load``: whether a version became READY.
+    """
+
+    kind: str
+    model: str
+    reason: str = ""
+    seconds: float = 0.0
+    ok: bool = True
+
+
+class OnDemand:
+    """Load on demand, limits and idle unload over a model manager.
+
+    Args:
+        manager: The manager (its models, locks and executor).
+        enabled: ``load_on_demand``: models load at their first request.
+        limits: Count and memory limits.
+        idle_unload_s: Server default idle time before unload, seconds (0: never).
+        timeout_s: How long a request waits for a load when its model sets no
+            ``default_timeout_us``, seconds.
+        clock: Wall-clock seconds (the engine's ``last_inference`` is wall-clock).
+
+    Attributes:
+        listeners: Called with each :class:`ResidencyEvent` (on the event loop).
+    """
+
+    def __init__(
+        self,
+        manager: ModelManager,
+        *,
+        enabled: bool = False,
+        limits: Limits | None = None,
+        idle_unload_s: float = 0.0,
+        timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.manager = manager
+        self.enabled = enabled
+        self.limits = limits or Limits()
+        self.idle_unload_s = idle_unload_s
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.listeners: list[Callable[[ResidencyEvent], None]] = []
+        self._lock = asyncio.Lock()
+        self._waiting: Counter[str] = Counter()
+        self._loads: dict[str, asyncio.Task[None]] = {}
+        self._deadlines: dict[str, float] = {}
+        self._measured: dict[str, dict[str, int]] = {}
+        self._blocked: dict[str, str] = {}  # why a waiting load has no room yet
+        self._idle_task: asyncio.Task[None] | None = None
+
+    # -- the request path --------------------------------------------------------------------
+
+    def cold(self, name: str) -> bool:
+        """Whether a request for ``name`` must wait for :meth:`ensure_loaded` first (False
+        for an unknown model: admission answers 404)."""
+        model = self.manager.models.get(name)
+        if model is None or model.route.default is not None:
+            return False
+        return (self.enabled or model.evicted is not None) and model.source_config is not None
+
+    def dormant(self, model: Model) -> bool:
+        """Whether ``model`` is left unloaded until a request (a poll does not load it)."""
+        return (
+            (self.enabled or model.evicted is not None)
+            and not model.versions
+            and model.route.default is None
+        )
+
+    def wait_s(self, model: Model) -> float:
+        """How long a request for ``model`` waits for its load, seconds."""
+        config = model.source_config
+        if config is not None and config.dynamic_batching.default_timeout_us > 0:
+            return config.dynamic_batching.default_timeout_us / 1e6
+        return self.timeout_s
+
+    async def ensure_loaded(self, name: str) -> None:
+        """Load ``name`` if it serves nothing, making room first; requests arriving meanwhile
+        share the load. Returns when it is loaded (or its load failed: admission then answers
+        with the reason); the caller must admit without awaiting in between, so the model
+        cannot be evicted before its request is queued.
+
+        Raises:
+            ModelNotFoundError: no such model.
+            ModelNotReadyError: no room could be made, or the load did not finish, within
+                the wait (503 with the reason).
+        """
+        model = self.manager.model(name)
+        loop = asyncio.get_running_loop()
+        wait_s = self.wait_s(model)
+        deadline = loop.time() + wait_s
+        self._deadlines[name] = max(self._deadlines.get(name, 0.0), deadline)
+        self._waiting[name] += 1
+        try:
+            task = self._loads.get(name)
+            if task is None or task.done():
+                task = self._loads[name] = loop.create_task(self._load(name))
+                task.add_done_callback(_retrieve)
+            try:
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                why = self._blocked.get(name) or self.manager.model_status(model)
+                raise ModelNotReadyError(
+                    f"model '{name}' is not ready: it did not load within {wait_s:g} s ({why})"
+                ) from None
+        finally:
+            self._waiting[name] -= 1
+            if not self._waiting[name]:
+                del self._waiting[name]
+
+    # -- loading and evicting ----------------------------------------------------------------
+
+    async def _load(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            async with self._lock:
+                model = self.manager.models.get(name)
+                if model is None or model.route.default is not None or self.manager.shutting_down:
+                    return
+                room = residency.make_room(
+                    self.residents(),
+                    name,
+                    residency.expected_memory(name, self._measured),
+                    self.limits,
+                )
+                if room.blocked is None:
+                    self._blocked.pop(name, None)
+                    self._deadlines.pop(name, None)
+                    for victim in room.evict:
+                        await self.evict(victim, room.reason, incoming=name)
+                    await self._load_now(model)
+                    await self._fit_after(name)
+                    return
+            self._blocked[name] = room.blocked
+            if loop.time() >= self._deadlines.get(name, 0.0):
+                self._deadlines.pop(name, None)
+                self._blocked.pop(name, None)
+                logger.warning("%s", room.blocked)
+                raise ModelNotReadyError(room.blocked)
+            await asyncio.sleep(_ROOM_POLL_S)
+
+    async def _load_now(self, model: Model) -> None:
+        manager = self.manager
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with manager._lock(model.name):
+            if model.route.default is not None or model.path is None:
+                return
+            entry = await loop.run_in_executor(None, read_model, model.path, None)
+            if not take_config(model, entry, reset=False):
+                logger.error("model %s cannot be loaded: %s", model.name, model.error)
+                return
+            before = footprint.sample()
+            await manager._executor.reconcile(model, entry, Change(retry_failed=True))
+            after = footprint.sample()
+            devices = [
+                instance.context.device
+                for mv in model.versions.values()
+                if mv.scheduler is not None
+                for instance in mv.scheduler.instances
+            ]
+            ok = model.route.default is not None
+            if ok:
+                model.memory_bytes = footprint.footprint(before, after, devices)
+                self._measured[model.name] = dict(model.memory_bytes)
+                model.loaded_at_s = self.clock()
+                model.evicted = None
+        seconds = loop.time() - started
+        logger.info(
+            "model %s loaded on demand in %.2f s%s (memory %s)",
+            model.name,
+            seconds,
+            "" if ok else " (failed)",
+            model.memory_bytes or "not measured",
+        )
+        self._emit(ResidencyEvent("load", model.name, seconds=seconds, ok=ok))
+
+    async def _fit_after(self, name: str) -> None:
+        """After a load measured more than expected: unload least recently used models until
+        the memory limit holds again (nothing when they are all pinned or busy)."""
+        if self.limits.memory_bytes <= 0:
+            return
+        room = residency.over_budget(self.residents(), name, self.limits)
+        if room.blocked is not None:
+            logger.warning("%s", room.blocked)
+        for victim in room.evict:
+            await self.evict(victim, MEMORY, incoming=name)
+
+    async def evict(self, name: str, reason: str, incoming: str | None = None) -> None:
+        """Unload every version of ``name`` (drained: what it has queued or running
+        finishes); the index notes why. Its next request loads it again."""
+        model = self.manager.models.get(name)
+        if model is None:
+            return
+        if reason == IDLE:
+            why = f"evicted: idle for {self.idle_s(model):g} s"
+        elif reason == LRU:
+            why = (
+                f"evicted: least recently used, to make room for '{incoming}' "
+                f"(limit of {self.limits.max_models} loaded models)"
+            )
+        else:
+            why = (
+                f"evicted: least recently used, to make room for '{incoming}' "
+                f"(limit of {self.limits.memory_bytes} bytes of loaded models per device)"
+            )
+        async with self.manager._lock(name):
+            if model.route.default is None and not model.versions:
+                return
+            logger.info("model %s %s", name, why)
+            model.required = False
+            # loaded on demand: never frozen, so no full walk of the heap (~0.1 s) is needed
+            await self.manager._executor.unload_all(model, why, frozen=not model.loaded_at_s)
+            model.memory_bytes = {}
+            model.evicted = reason
+        self._emit(ResidencyEvent("evict", name, reason=reason))
+
+    # -- idle unload -------------------------------------------------------------------------
+
+    def idle_s(self, model: Model) -> float:
+        """``model``'s idle time before unload, seconds (0: never)."""
+        config = model.source_config
+        if config is not None and config.idle_unload_s is not None:
+            return config.idle_unload_s
+        return self.idle_unload_s
+
+    def start(self) -> None:
+        """Start the idle loop (once), when any model may unload when idle."""
+        wants_idle = self.idle_unload_s > 0 or any(
+            m.source_config is not None and m.source_config.idle_unload_s
+            for m in self.manager.models.values()
+        )
+        if wants_idle and self._idle_task is None:
+            self._idle_task = asyncio.get_running_loop().create_task(self._idle_loop())
+
+    async def stop(self) -> None:
+        """Stop the idle loop and the loads in progress."""
+        tasks = [t for t in (self._idle_task, *self._loads.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._idle_task = None
+
+    async def _idle_loop(self) -> None:
+        while not self.manager.shutting_down:
+            wait = residency.next_idle_check(self.residents(), self.clock())
+            await asyncio.sleep(min(_IDLE_POLL_MAX_S, max(0.05, wait or _IDLE_POLL_MAX_S)))
+            try:
+                await self.unload_idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("unloading idle models failed")
+
+    async def unload_idle(self) -> tuple[str, ...]:
+        """Unload the models idle for their ``idle_unload_s`` now; returns their names."""
+        async with self._lock:
+            due = residency.idle_due(self.residents(), self.clock())
+            for name in due:
+                await self.evict(name, IDLE)
+        return due
+
+    # -- what the policy reads ---------------------------------------------------------------
+
+    def residents(self) -> list[Resident]:
+        """Every model with a loaded or loading version, as the policy sees it."""
+        rows = []
+        for model in list(self.manager.models.values()):
+            if not model.versions:
+                continue
+            rows.append(
+                Resident(
+                    name=model.name,
+                    last_used_s=self.last_used_s(model),
+                    busy=self._busy(model),
+                    pinned=model.pinned
+                    or (model.source_config is not None and model.source_config.pinned),
+                    memory_bytes=dict(model.memory_bytes),
+                    idle_unload_s=self.idle_s(model),
+                )
+            )
+        return rows
+
+    def last_used_s(self, model: Model) -> float:
+        """``model``'s last successful request or its load, whichever is later (wall-clock
+        seconds; read from its statistics, so the request path pays nothing for it)."""
+        last_ms = max(
+            (
+                mv.scheduler.stats.last_inference_ms
+                for mv in list(model.versions.values())
+                if mv.scheduler is not None
+            ),
+            default=0,
+        )
+        return max(model.loaded_at_s, last_ms / 1000.0)
+
+    def _busy(self, model: Model) -> bool:
+        if self._waiting.get(model.name) or self.manager._lock(model.name).locked():
+            return True
+        for mv in list(model.versions.values()):
+            if mv.state is not VersionState.READY:
+                return True
+            if mv.scheduler is not None and mv.scheduler.in_flight_requests:
+                return True
+        return False
+
+    def _emit(self, event: ResidencyEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                logger.exception("a residency listener failed")
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a load's failure as seen (its waiters may all have timed out already)."""
+    if not task.cancelled():
+        task.exception()

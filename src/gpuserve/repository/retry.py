@@ -1,0 +1,82 @@
+"""When ``poll`` mode tries a version again that failed to load, its folder unchanged.
+
+A load can fail for a reason that goes away by itself (a file still being copied by another
+tool, a device that was busy, a library that failed at first use), so a poll does not wait
+for the folder to change forever: a failed version is tried again after a back-off of
+``base_s`` seconds, doubled after each failure of the same folder content, up to ``max_s``.
+A changed folder is tried at the next scan as before, and an explicit ``load`` always tries
+at once. Pure bookkeeping on an injected monotonic clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+#: First wait after a failure, seconds; doubled per further failure of the same content.
+DEFAULT_BASE_S = 60.0
+#: Longest wait between two tries, seconds.
+DEFAULT_MAX_S = 1800.0
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """The last failed load of one version.
+
+    Attributes:
+        fingerprint: The folder content that failed.
+        attempts: Failed loads of that content in a row.
+        retry_at: When a poll may try again (monotonic seconds).
+    """
+
+    fingerprint: Hashable
+    attempts: int
+    retry_at: float
+
+
+class RetryBackoff:
+    """Failed loads by (model, version), and when each may be tried again.
+
+    Args:
+        base_s: First wait after a failure, seconds.
+        max_s: Longest wait, seconds.
+        clock: Monotonic seconds (tests pass a fake clock).
+    """
+
+    def __init__(
+        self,
+        base_s: float = DEFAULT_BASE_S,
+        max_s: float = DEFAULT_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self.clock = clock
+        self._failures: dict[tuple[str, int], Failure] = {}
+
+    def failed(self, model: str, version: int, fingerprint: Hashable) -> float:
+        """Record a failed load; returns the wait before the next try, seconds."""
+        key = (model, version)
+        last = self._failures.get(key)
+        attempts = last.attempts + 1 if last is not None and last.fingerprint == fingerprint else 1
+        wait_s = min(self.max_s, self.base_s * 2 ** (attempts - 1))
+        self._failures[key] = Failure(fingerprint, attempts, self.clock() + wait_s)
+        return wait_s
+
+    def due(self, model: str, version: int, fingerprint: Hashable) -> bool:
+        """Whether a poll should try ``version`` again: its back-off has passed, or its
+        content is not the one that failed (or no failure is recorded)."""
+        last = self._failures.get((model, version))
+        if last is None or last.fingerprint != fingerprint:
+            return True
+        return self.clock() >= last.retry_at
+
+    def attempts(self, model: str, version: int) -> int:
+        """Failed loads in a row of ``version``'s current content (0 when none)."""
+        last = self._failures.get((model, version))
+        return last.attempts if last is not None else 0
+
+    def forget(self, model: str, version: int) -> None:
+        """The version loaded (or left the repository): start again from ``base_s``."""
+        self._failures.pop((model, version), None)

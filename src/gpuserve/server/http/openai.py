@@ -1,0 +1,193 @@
+"""The OpenAI-compatible API on the HTTP port: an adapter over the embeddings service.
+
+Endpoints::
+
+    POST /v1/embeddings        embeddings of one or more inputs (OpenAI's body and answer)
+    GET  /v1/models            the models serving embeddings now
+    GET  /v1/models/{model}    one of them
+
+The wire is :mod:`gpuserve.protocol.openai_codec`; the work is
+:class:`~gpuserve.service.embeddings.EmbeddingsService`, whose every chunk is admitted by the
+inference service (so it is batched, refused and counted exactly as V2 requests are). Errors
+are OpenAI's ``{"error": {...}}`` (see :mod:`gpuserve.server.http.openai_errors`). With an
+API token configured every ``/v1`` endpoint needs ``Authorization: Bearer <token>``, the same
+token as V2.
+
+Every answer writes one access line (``gpuserve.access``) with the path ``/v1/...``, the model,
+the version that served it, the rows (inputs) of the call and its input shape. A call's
+chunks are counted in the Prometheus series of the version as requests of their rows, as V2
+requests are; the API a request came by shows in the access line's path (no series label).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from gpuserve.errors import GpuserveError, UnauthenticatedError, UnavailableError
+from gpuserve.protocol.limits import RequestLimits
+from gpuserve.protocol.openai_codec import (
+    EmbeddingsBody,
+    encode_embeddings,
+    encode_model,
+    encode_model_list,
+    load_body,
+    parse_embeddings,
+)
+from gpuserve.server.http.openai_errors import OpenAIHttpError, error_answer
+from gpuserve.server.http.request import JSON, HttpRequest
+from gpuserve.server.security import Redactor, Tokens
+from gpuserve.server.timing import (
+    COMPUTE_TIME_US_HEADER,
+    QUEUE_TIME_US_HEADER,
+    TOTAL_TIME_US_HEADER,
+    microseconds,
+)
+from gpuserve.service.embeddings import EmbeddingResult, EmbeddingsService
+from gpuserve.service.inference import InferenceService
+from gpuserve.service.outcome import AccessRecord, log_access
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "/v1"
+EMBEDDINGS = "/v1/embeddings"
+MODELS = "/v1/models"
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+def handles(path: str) -> bool:
+    """Whether ``path`` belongs to this API (``/v1`` and below)."""
+    return path == PREFIX or path.startswith("/v1/")
+
+
+class OpenAIApi:
+    """The ``/v1`` endpoints (see the module docstring).
+
+    Args:
+        service: The inference service.
+        tokens: The server's bearer tokens (the API token guards every ``/v1`` endpoint).
+        limits: Server-wide tensor limits.
+        redactor: Takes file paths out of error messages.
+        access_log: Write one access line per answer.
+        spawn: Runs a coroutine as a task the HTTP front end keeps until it is done.
+    """
+
+    def __init__(
+        self,
+        service: InferenceService,
+        tokens: Tokens,
+        limits: RequestLimits,
+        redactor: Redactor,
+        access_log: bool,
+        spawn: Spawn,
+    ) -> None:
+        self.service = service
+        self.embeddings = EmbeddingsService(service)
+        self.tokens = tokens
+        self.limits = limits
+        self.redactor = redactor
+        self.access_log = access_log
+        self._spawn = spawn
+
+    def handle(self, request: HttpRequest, method: str) -> None:
+        """Answer one ``/v1`` request: at once, or (embeddings) when its chunks are done.
+        ``method`` is the request's, with HEAD as GET. Never raises."""
+        path = request.path.rstrip("/") or "/"
+        model = "-"
+        try:
+            if self.tokens.api is not None and not self.tokens.allows_api(request.headers):
+                if path == EMBEDDINGS:
+                    self.service.record_unrouted("", None, UnauthenticatedError.reason)
+                raise UnauthenticatedError(
+                    "this endpoint needs 'Authorization: Bearer <API token>'"
+                )
+            if path == EMBEDDINGS:
+                if method != "POST":
+                    raise OpenAIHttpError(
+                        405, f"{method} {path}: use POST", code="method_not_allowed"
+                    )
+                body = self._parse(request)
+                model = body.model
+                self._spawn(self._embed(request, body))
+                return
+            if method != "GET":
+                raise OpenAIHttpError(405, f"{method} {path}: use GET", code="method_not_allowed")
+            if path == MODELS:
+                payload = encode_model_list(self.embeddings.models())
+            elif path.startswith(MODELS + "/"):
+                model = path[len(MODELS) + 1 :]
+                payload = encode_model(self.embeddings.model(model))
+            else:
+                raise OpenAIHttpError(404, f"Invalid URL ({method} {path})")
+        except Exception as err:
+            self._fail(request, err, AccessRecord("", request.method, request.path, 0, model))
+            return
+        self._send(request, 200, payload, AccessRecord("", request.method, request.path, 200))
+
+    def _parse(self, request: HttpRequest) -> EmbeddingsBody:
+        """The body of ``POST /v1/embeddings``; a refusal is counted as unrouted."""
+        document: dict[str, Any] = {}
+        try:
+            document = load_body(request.body)
+            return parse_embeddings(document, self.limits)
+        except Exception as err:
+            model = document.get("model")
+            reason = getattr(err, "reason", "invalid")
+            self.service.record_unrouted(model if type(model) is str else "", None, reason)
+            raise
+
+    async def _embed(self, request: HttpRequest, body: EmbeddingsBody) -> None:
+        record = AccessRecord("", request.method, request.path, 0, body.model, rows=body.rows)
+        try:
+            result = await self.embeddings.embed(body, request.is_disconnected)
+            payload = encode_embeddings(result, body.encoding_format)
+        except asyncio.CancelledError:
+            self._fail(request, UnavailableError("server is shutting down; retry"), record)
+            raise
+        except Exception as err:
+            self._fail(request, err, record)
+            return
+        record.version = result.version
+        record.shapes = {result.input_name: _shape(body, result)}
+        headers = [
+            (QUEUE_TIME_US_HEADER, microseconds(result.queue_s).encode()),
+            (COMPUTE_TIME_US_HEADER, microseconds(result.compute_s).encode()),
+            (TOTAL_TIME_US_HEADER, microseconds(time.monotonic() - request.started_s).encode()),
+        ]
+        self._send(request, 200, payload, record, headers)
+
+    def _fail(self, request: HttpRequest, err: BaseException, record: AccessRecord) -> None:
+        answer = error_answer(err)
+        # Messages of gpuserve errors may quote file paths (load failures); the HTTP layer's
+        # own name only the URL, which the redactor would take for a file path.
+        redact = isinstance(err, GpuserveError)
+        body = answer.body(self.redactor.text(answer.message) if redact else None)
+        self._send(request, answer.status, body, record, answer.headers)
+
+    def _send(
+        self,
+        request: HttpRequest,
+        status: int,
+        payload: bytes,
+        record: AccessRecord,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        request.respond(status, payload, JSON, headers or ())
+        if self.access_log:
+            client = request.client
+            record.client = f"{client[0]}:{client[1]}" if client else "-"
+            record.status, record.size = status, len(payload)
+            record.total_s = time.monotonic() - request.started_s
+            log_access(record)
+
+
+def _shape(body: EmbeddingsBody, result: EmbeddingResult) -> list[int]:
+    """The call's input shape for the access log: ``[rows]`` of texts, ``[rows, longest]``
+    of token ids."""
+    if body.token_ids is not None:
+        return [result.rows, max(map(len, body.token_ids))]
+    return [result.rows]

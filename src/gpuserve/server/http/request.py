@@ -1,0 +1,107 @@
+"""One complete HTTP request as the transport hands it to the request handler, and the
+:class:`Handler` protocol the handler implements (see :mod:`gpuserve.server.http.connection`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from gpuserve.server.http.connection import HttpConnection
+
+Headers = list[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+
+
+class Handler(Protocol):
+    """What answers requests: called on the event loop for each complete request."""
+
+    def handle(self, request: HttpRequest) -> None: ...
+
+
+class HttpRequest:
+    """One complete HTTP request.
+
+    Attributes:
+        method: ``"GET"``, ``"POST"``, ... (str).
+        path: The percent-decoded path, e.g. ``/v2/models/m/infer`` (str).
+        query: The raw query string without ``?`` (bytes, may be empty).
+        headers: ``(name, value)`` pairs in arrival order; names lower case (bytes).
+        body: The whole body (bytes, or a bytearray when it arrived in several pieces;
+            chunked transfer coding already removed).
+        started_s: ``time.monotonic()`` when the request was complete (seconds).
+        keep_alive: Whether the connection may carry another request after this one.
+        access: Set by the handler for the access log (model, version, request), or None.
+    """
+
+    __slots__ = (
+        "access",
+        "answer_coding",
+        "answered",
+        "body",
+        "connection",
+        "error",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "started_s",
+    )
+
+    def __init__(
+        self,
+        connection: HttpConnection,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: Headers,
+        body: bytes | bytearray,
+        keep_alive: bool,
+        error: tuple[int, str] | None = None,
+    ) -> None:
+        self.connection = connection
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.error = error  # set by the connection: answer this status and message
+        self.started_s = time.monotonic()
+        self.access: Any = None
+        self.answered = False
+        self.answer_coding: bytes | None = None  # gzip/deflate: compress the answer
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lower case), or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def client(self) -> tuple[str, int] | None:
+        """The peer's (host, port), or None when unknown (e.g. a Unix socket)."""
+        return self.connection.client
+
+    def is_disconnected(self) -> bool:
+        """Whether the client has closed the connection (it will get no answer)."""
+        return self.connection.closed
+
+    def respond(
+        self,
+        status: int,
+        body: bytes,
+        content_type: bytes = JSON,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        """Send the response (once; later calls are ignored). ``body`` is sent as is, with
+        ``content-length``; a large body is written without being copied into the head."""
+        if self.answered:
+            return
+        self.answered = True
+        self.connection.write_response(self, status, body, content_type, headers)

@@ -1,0 +1,174 @@
+"""Registry of client system (POSIX) shared-memory regions (Triton's shared-memory extension).
+
+A client creates a region (``/dev/shm/<key>``, e.g. with ``tritonclient.utils.shared_memory``)
+and registers it under a name with an offset and a byte size; requests then name the region,
+an offset into it and a byte size per input or output instead of carrying the bytes.
+
+The registry maps each region once (``mmap`` of ``/dev/shm/<key>``) and hands out zero-copy
+views. Every bound is checked before any byte is read or written: a bad name, offset or size
+is refused with :class:`~gpuserve.errors.InvalidInputError` (HTTP 400, gRPC
+INVALID_ARGUMENT) whose message names the region, the offset and the sizes; nothing crashes.
+
+The codecs receive the registry through the small :class:`SharedMemoryReader` interface, as
+they receive ``limits``, so they stay pure. Not wired into the front ends yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gpuserve.errors import InvalidInputError
+
+#: Where POSIX shared-memory objects live on Linux (``shm_open(key)`` is ``/dev/shm/key``).
+SHM_ROOT = Path("/dev/shm")
+
+
+class SharedMemoryReader(Protocol):
+    """What a codec needs: views of registered regions, bounds-checked."""
+
+    def view(self, name: str, offset: int, byte_size: int) -> memoryview:
+        """Bytes ``[offset, offset + byte_size)`` of region ``name`` (relative to its
+        registered offset), zero-copy and writable.
+
+        Raises:
+            InvalidInputError: unknown region, or the range falls outside it.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RegionStatus:
+    """One registered region, as the status API reports it.
+
+    Attributes:
+        name: The name the client registered it under.
+        key: The POSIX shared-memory key (``/dev/shm/<key>``, leading ``/`` optional).
+        offset: Start of the region within the shared-memory object, bytes.
+        byte_size: Length of the region, bytes.
+    """
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(slots=True)
+class _Region:
+    status: RegionStatus
+    mapping: mmap.mmap
+
+
+def _shm_path(key: str) -> Path:
+    bare = key[1:] if key.startswith("/") else key
+    if not bare or "/" in bare or bare in (".", ".."):
+        raise InvalidInputError(f"shared-memory key {key!r} is not a valid POSIX shm name")
+    return SHM_ROOT / bare
+
+
+class SharedMemoryRegistry:
+    """Registered system shared-memory regions by name (thread-safe).
+
+    Args:
+        root: Folder of the shared-memory objects (``/dev/shm``; a temporary folder in tests).
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root
+        self._regions: dict[str, _Region] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, key: str) -> Path:
+        path = _shm_path(key)
+        return path if self.root is None else self.root / path.name
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of shared-memory object ``key`` as ``name``.
+
+        Raises:
+            InvalidInputError: name already registered, negative offset or size, no such
+                object, or the object is smaller than ``offset + byte_size``.
+        """
+        if not name:
+            raise InvalidInputError("shared-memory region name must not be empty")
+        if offset < 0 or byte_size < 0:
+            raise InvalidInputError(
+                f"shared-memory region {name!r}: offset {offset} and byte_size {byte_size} "
+                f"must be non-negative"
+            )
+        path = self._path(key)
+        with self._lock:
+            if name in self._regions:
+                raise InvalidInputError(
+                    f"shared-memory region {name!r} is already registered; unregister it first"
+                )
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as err:
+                raise InvalidInputError(
+                    f"shared-memory region {name!r}: cannot open key {key!r} ({err.strerror})"
+                ) from None
+            try:
+                size = os.fstat(fd).st_size
+                if offset + byte_size > size:
+                    raise InvalidInputError(
+                        f"shared-memory region {name!r}: offset {offset} + byte_size "
+                        f"{byte_size} exceeds the size {size} of key {key!r}"
+                    )
+                mapping = mmap.mmap(fd, size) if size else mmap.mmap(-1, 1)
+            finally:
+                os.close(fd)
+            self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), mapping)
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget region ``name``, or every region when ``name`` is None or empty (as
+        Triton's API). Unknown names are ignored, as in Triton.
+
+        A mapping still viewed by a request in flight stays alive until that request ends.
+        """
+        with self._lock:
+            names = [name] if name else list(self._regions)
+            for key in names:
+                region = self._regions.pop(key, None)
+                if region is not None:
+                    # A view still alive keeps the mapping open; the GC closes it after.
+                    with contextlib.suppress(BufferError):
+                        region.mapping.close()
+
+    def status(self, name: str | None = None) -> list[RegionStatus]:
+        """The registered regions, or just ``name``.
+
+        Raises:
+            InvalidInputError: ``name`` is given and not registered.
+        """
+        with self._lock:
+            if not name:
+                return [r.status for r in self._regions.values()]
+            region = self._regions.get(name)
+        if region is None:
+            raise InvalidInputError(f"Unable to find system shared memory region: {name!r}")
+        return [region.status]
+
+    def view(self, name: str, offset: int, byte_size: int) -> memoryview:
+        """See :meth:`SharedMemoryReader.view`."""
+        region = self._regions.get(name)
+        if region is None:
+            raise InvalidInputError(f"Unable to find system shared memory region: {name!r}")
+        limit = region.status.byte_size
+        if offset < 0 or byte_size < 0 or offset + byte_size > limit:
+            raise InvalidInputError(
+                f"shared-memory region {name!r}: offset {offset} + byte_size {byte_size} "
+                f"is outside the region's registered byte_size {limit}"
+            )
+        start = region.status.offset + offset
+        return memoryview(region.mapping)[start : start + byte_size]
+
+    def close(self) -> None:
+        """Unregister every region (server shutdown)."""
+        self.unregister(None)

@@ -1,0 +1,152 @@
+"""The server's process-wide settings (:class:`ServerConfig`): ``GPUSERVE_<FIELD>`` environment
+variables and ``gpuserve serve`` flags, validated by pydantic-settings. Model configurations are
+in :mod:`gpuserve.config`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def default_model_repository() -> Path:
+    """The repository shipped inside the package (``text_embedding`` and ``simple``)."""
+    return Path(__file__).resolve().parent / "default_repository"
+
+
+class ServerConfig(BaseSettings):
+    """Process-wide settings; each field can be set as ``GPUSERVE_<FIELD>`` or a CLI flag.
+
+    Attributes:
+        model_repository: Folder of models; defaults to the embedded repository.
+        host: Address the HTTP server binds.
+        http_port: HTTP port (KServe V2 REST).
+        grpc_port: gRPC port (KServe V2 ``inference.GRPCInferenceService`` and the standard
+            health service); 0 = a free port; -1 = no gRPC listener.
+        log_level: ``debug``, ``info``, ``warning`` or ``error``.
+        metrics_port: Port of a separate Prometheus ``/metrics`` listener on ``host``
+            (0 = a free port; negative or None = none: ``/metrics`` only on the HTTP port).
+        log_format: ``text`` lines, or ``json``: one JSON object per line.
+        access_log: Log one line per HTTP request (logger ``gpuserve.access``, INFO).
+        shutdown_timeout_s: On SIGTERM, how long queued and running requests may finish.
+        max_request_body_bytes: Larger request bodies are refused with 413.
+        model_control_mode: ``none`` loads every model at start and never changes them;
+            ``explicit`` loads only ``load_model`` at start, then what the repository API
+            loads and unloads; ``poll`` loads every model at start, then applies repository
+            changes every ``repository_poll_interval_s``.
+        load_model: Models to load at start in ``explicit`` mode (``*`` = all).
+        repository_poll_interval_s: Seconds between repository scans in ``poll`` mode.
+        unload_timeout_s: How long a version that is unloaded or replaced may take to finish
+            its queued and running requests before the rest get 503.
+        strict_readiness: False: ready when at least one model version is READY. True: ready
+            only when every model required at start (or loaded since) has a READY version.
+        disable_management: Refuse the repository's load/unload/rollback/canary endpoints
+            (403); the index stays readable.
+        management_token: When set, those endpoints need ``Authorization: Bearer <token>``
+            (401 without it); setting it also enables them.
+        trace_dir: Where ``POST /v2/repository/models/{m}/trace`` writes ``torch.profiler``
+            traces (one sub-folder per call).
+        enable_management: Enable those endpoints in ``none`` mode. They are off unless
+            enabled: by this, by a management token, or by ``explicit``/``poll`` mode
+            (see :attr:`management_enabled`); ``disable_management`` always wins.
+        api_token: When set, every endpoint except health (``/v2/health/live``,
+            ``/v2/health/ready``, gRPC ServerLive/ServerReady and ``grpc.health.v1``),
+            ``/metrics`` and ``/v2/openapi.json`` needs ``Authorization: Bearer <token>``
+            (HTTP 401, gRPC UNAUTHENTICATED without it).
+        tls_cert_file: PEM certificate (chain) for HTTPS and gRPC over TLS; needs
+            ``tls_key_file``. None: plain HTTP and gRPC.
+        tls_key_file: PEM private key of ``tls_cert_file``.
+        max_header_bytes: Longest request line plus headers of one HTTP request (431 beyond),
+            and the gRPC metadata limit.
+        max_tensor_elements: Most elements in one input tensor (400 beyond, checked on the
+            shape before any data is read).
+        max_bytes_element_bytes: Longest element of a BYTES input, bytes (400 beyond).
+        http_keep_alive_timeout_s: An HTTP connection idle this many seconds is closed
+            (0: never). Keep it above the idle timeout of any proxy in front (nginx keeps
+            upstream connections 60 s), or the proxy may reuse a connection being closed.
+        load_on_demand: Load each model at its first request instead of at start (that
+            request, and those arriving meanwhile, wait for the load up to the model's
+            ``default_timeout_us`` or ``model_load_timeout_s``); the server is ready with
+            nothing loaded. Pinned models and ``load_model`` ones (explicit mode) load at
+            start.
+        max_loaded_models: Most models loaded at once (0: no limit): loading one more
+            first unloads the least recently used model with nothing queued or running.
+        loaded_models_memory_bytes: Most memory the loaded models may hold per device, bytes
+            (0: no limit): GPU memory per device for models on GPUs, resident host memory
+            for CPU models, as measured around each load and warm-up (approximate: what
+            the process gained while the model loaded). Evicts as ``max_loaded_models``.
+        idle_unload_s: Unload a model after this many seconds without a request (0: never;
+            a model's own ``idle_unload_s`` wins); its next request loads it again.
+        model_load_timeout_s: How long a request for a model that is not loaded waits for
+            it to load (and for room to be made), seconds, when the model sets no
+            ``default_timeout_us``; then 503 with the reason.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
+
+    model_repository: Path = Field(default_factory=default_model_repository)
+    host: str = "0.0.0.0"
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int = Field(default=8001, ge=-1, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_port: int | None = Field(default=8002, le=65535)
+    log_format: Literal["text", "json"] = "text"
+    access_log: bool = False
+    shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    max_request_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    model_control_mode: Literal["none", "explicit", "poll"] = "none"
+    load_model: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    repository_poll_interval_s: float = Field(default=15.0, gt=0)
+    unload_timeout_s: float = Field(default=30.0, ge=0)
+    strict_readiness: bool = False
+    disable_management: bool = False
+    management_token: SecretStr | None = None
+    trace_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "gpuserve-traces")
+    enable_management: bool = False
+    api_token: SecretStr | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_bytes_element_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    http_keep_alive_timeout_s: float = Field(default=75.0, ge=0)
+    load_on_demand: bool = False
+    max_loaded_models: int = Field(default=0, ge=0)
+    loaded_models_memory_bytes: int = Field(default=0, ge=0)
+    idle_unload_s: float = Field(default=0.0, ge=0)
+    model_load_timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError(
+                f"tls_cert_file ({self.tls_cert_file}) and tls_key_file ({self.tls_key_file}) "
+                "go together: give both or neither"
+            )
+        return self
+
+    @property
+    def management_enabled(self) -> bool:
+        """Whether the repository's load/unload/rollback/canary endpoints are on: off unless
+        enabled (``enable_management``, a ``management_token``, or ``explicit``/``poll``
+        mode, where the operator asked for a changing repository); ``disable_management``
+        always turns them off."""
+        if self.disable_management:
+            return False
+        return (
+            self.enable_management
+            or self.management_token is not None
+            or self.model_control_mode != "none"
+        )
+
+    @field_validator("load_model", mode="before")
+    @classmethod
+    def _split_names(cls, value: Any) -> Any:
+        # GPUSERVE_LOAD_MODEL=a,b (the environment) as well as a list (flags, code).
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
