@@ -51,11 +51,9 @@ from gpuserve.server.http.encoding import (
     decode_body,
     encode_body,
 )
-from gpuserve.server.http.request import Handler, HttpRequest
+from gpuserve.server.http.request import Handler, Headers, HttpRequest
 
 logger = logging.getLogger(__name__)
-
-Headers = list[tuple[bytes, bytes]]
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
