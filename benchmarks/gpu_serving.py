@@ -6,6 +6,9 @@ Models (random weights, nothing downloaded):
 * bert_base: transformers BERT-base (default BertConfig), INT64 input_ids [128] -> FP32 [768]
   (the [CLS] hidden state)
 
+Also: the built-in text_embedding encoder (all-MiniLM-L6-v2) on texts of random length
+(1-200 words), padded batches vs unpadded (packed, varlen attention) batches of 32 and 128.
+
 For each model: (a) raw forward throughput in-process at batch sizes 1..128 (best is the limit);
 (b) served throughput with `gpuserve bench` over gRPC with binary tensors at high concurrency,
 for the variants fp32 / fp16 (or bf16), CUDA graphs off / on, 1 / 2 instances. Writes
@@ -217,11 +220,60 @@ def served_throughput(
                 server.kill()
 
 
+def unpadded_throughput(
+    device: str, precision: str, seconds: float, model_dir: str | None
+) -> dict[str, float]:
+    """Texts/s of the text_embedding encoder, padded vs packed, by batch size."""
+    import random
+
+    import torch
+
+    from gpuserve.models.bert import Packing, mean_pool_packed
+    from gpuserve.models.sentence_embedding import SentenceEmbedder, TokenizedBatch
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    embedder = SentenceEmbedder.load(model_dir, device=device, dtype=dtype)
+    rng = random.Random(0)
+    words = ["a", "model", "server", "batches", "requests", "of", "varied", "length"]
+    result: dict[str, float] = {}
+    for size in (32, 128):
+        texts = [
+            " ".join(rng.choice(words) for _ in range(rng.randint(1, 200))) for _ in range(size)
+        ]
+        batch = embedder.tokenize(texts)
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        ids = batch.input_ids[batch.attention_mask.bool()].to(device)
+        packing = Packing.of(lengths, device)
+
+        def padded(batch: TokenizedBatch = batch) -> object:
+            return embedder.embed(batch)
+
+        def packed(ids: torch.Tensor = ids, packing: Packing = packing) -> object:
+            with torch.inference_mode():
+                return mean_pool_packed(embedder.encoder.forward_packed(ids, packing), packing)
+
+        for label, run in (("padded", padded), ("unpadded", packed)):
+            run()
+            torch.cuda.synchronize()
+            count, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                run()
+                count += 1
+            torch.cuda.synchronize()
+            result[f"{label}@{size}"] = count * size / (time.perf_counter() - start)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="fewer variants, shorter windows")
+    parser.add_argument(
+        "--text-model-dir",
+        default=None,
+        help="all-MiniLM-L6-v2 folder for the text_embedding part (default: the PyPI package)",
+    )
     args = parser.parse_args()
     import torch
 
@@ -284,6 +336,19 @@ def main() -> int:
             print(lines[-1], flush=True)
         lines.append("")
         report["models"][name] = entry
+    for precision in ("fp32", half):
+        by_kind = unpadded_throughput(args.device, precision, seconds, args.text_model_dir)
+        report.setdefault("text_embedding_unpadded", {})[precision] = by_kind
+        lines += [
+            f"## text_embedding, random lengths, {precision}: texts/s",
+            "",
+            "| batch | padded | unpadded | ratio |",
+            "|---|---|---|---|",
+        ]
+        for size in (32, 128):
+            pad, unpad = by_kind[f"padded@{size}"], by_kind[f"unpadded@{size}"]
+            lines.append(f"| {size} | {pad:.0f} | {unpad:.0f} | {unpad / pad:.2f} |")
+        lines.append("")
     out = HERE / "results" / f"gpu_serving-{report['date']}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))

@@ -16,25 +16,22 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from gpuserve.config_base import Strict as _Strict
+from gpuserve.config_embedding import EmbeddingConfig, embedding_problem
+from gpuserve.config_ensemble import EnsembleConfig, graph_problem
 from gpuserve.config_keys import unknown_key_hint
+from gpuserve.config_padding import padding_problem
+from gpuserve.config_sequence import SequenceBatchingConfig, sequence_problem
 from gpuserve.datatypes import Datatype
 from gpuserve.errors import ConfigError
 
 CONFIG_FILENAME = "config.yaml"
-
-
-class _Strict(BaseModel):
-    """Base for config sections: unknown keys are errors, so typos are caught at load."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class TensorSpec(_Strict):
@@ -46,12 +43,36 @@ class TensorSpec(_Strict):
         shape: Shape without the batch dimension; ``-1`` marks a variable dimension.
             ``[]`` declares one value per batch row.
         optional: Inputs only: the request may omit it.
+        pad_value: Inputs only: the variable dimensions (``-1``) may be padded with this
+            value, so requests of different lengths share a batch (padded to the batch's
+            largest; grouped by length, see ``dynamic_batching.max_batch_tokens``). None: only
+            requests of equal shapes share a batch. See :mod:`gpuserve.config_padding`.
+        unpad: Outputs only: the name of a padded input; each request gets this output's
+            variable dimensions cut back to its own sizes of that input's variable dimensions.
+        label_filename: Outputs only: a file in the model folder with one class label per
+            line (line ``i`` names class ``i``), for Triton's classification extension
+            (an output requested with ``classification: k``).
+        format: Inputs only: the image layout Triton's ModelConfig reports (``FORMAT_NCHW``
+            or ``FORMAT_NHWC``; informational, for clients that prepare images by it).
     """
 
     name: str = Field(min_length=1)
     datatype: Datatype
     shape: list[int]
     optional: bool = False
+    pad_value: float | None = None
+    unpad: str | None = None
+    label_filename: str | None = None
+    format: Literal["FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC"] | None = None
+
+    @field_validator("label_filename")
+    @classmethod
+    def _inside_model_folder(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value or value.startswith("/") or ".." in value.replace("\\", "/").split("/")
+        ):
+            raise ValueError(f"must be a file name inside the model folder, got {value!r}")
+        return value
 
     @field_validator("shape")
     @classmethod
@@ -94,6 +115,11 @@ class DynamicBatchingConfig(_Strict):
             let a batch regather to that size for up to the smaller of the delay and a tenth
             of the finished batch's time (see :mod:`gpuserve.engine.batcher`).
         adaptive: Adaptive batching settings; None (default) keeps the fixed delay.
+        max_batch_tokens: Most padded tokens (rows x the longest row's tokens) in one batch of
+            a model whose requests carry a cost (text models with an admission step); such
+            batches also group requests of similar length (see
+            :mod:`gpuserve.engine.lengths`). None (default): 512 when every instance is on a
+            CPU, 16384 when one is on a GPU. Rows stay bounded by ``max_batch_size``.
     """
 
     max_queue_delay_us: int = Field(default=0, ge=0, le=60_000_000)
@@ -104,6 +130,7 @@ class DynamicBatchingConfig(_Strict):
     default_priority_level: int = Field(default=1, ge=1)
     early_dispatch: bool = True
     adaptive: AdaptiveBatchingConfig | None = None
+    max_batch_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> DynamicBatchingConfig:
@@ -180,6 +207,23 @@ class CanaryConfig(_Strict):
 
     version: int = Field(ge=1)
     weight: float = Field(ge=0.0, le=1.0)
+
+
+class TransactionPolicyConfig(_Strict):
+    """How a model answers its requests (Triton's ``model_transaction_policy``).
+
+    Attributes:
+        decoupled: The model sends zero or more responses per request, and marks the last
+            (a generator ``Model.generate``, or Triton's response sender). Served as a stream:
+            gRPC ``ModelStreamInfer`` and HTTP ``/generate_stream``; unary ``infer`` and
+            ``/generate`` answer only when the model sent exactly one response (400 else).
+        max_buffered_responses: Responses of one request held between the model and a client
+            that reads slowly; when full, the model's ``yield``/``send`` blocks until the
+            client takes one (back-pressure, bounded memory).
+    """
+
+    decoupled: bool = False
+    max_buffered_responses: int = Field(default=16, ge=1, le=4096)
 
 
 class OptimizationConfig(_Strict):
@@ -273,60 +317,6 @@ class HuggingFaceConfig(_Strict):
     normalize: bool | None = None
 
 
-class EmbeddingConfig(_Strict):
-    """Serve the model on the OpenAI-compatible embeddings API (``POST /v1/embeddings``,
-    ``GET /v1/models``): which tensors carry the text and the embedding.
-
-    Automatic (no section needed) for the ``huggingface`` backend's ``feature-extraction``
-    task; any other model opts in with this section (the default ``text_embedding`` does).
-    A request of N inputs is served as N rows of ``text_input`` (or ``token_ids_input``),
-    split into requests of at most ``max_batch_size`` rows that are batched with V2 traffic.
-
-    Attributes:
-        enabled: False keeps the model off the embeddings API (e.g. a feature-extraction
-            model that should be served over V2 only).
-        text_input: The BYTES input taking one UTF-8 text per row (shape ``[1]`` or ``[]``);
-            None for a model that takes token ids only.
-        token_ids_input: An INT64 or INT32 input of shape ``[-1]`` taking one sequence of
-            token ids per row, or None: requests sending token ids are refused (400).
-        output: The FP32 (or FP16/FP64) output holding one embedding per row, shape
-            ``[width]``.
-        dimensions: Widths the embedding may be cut to (Matryoshka models: the first N
-            values), each at most ``width``; a request's ``dimensions`` must be one of them
-            or the full width. Empty: the model refuses ``dimensions`` (400).
-        normalize_truncated: L2-normalise a cut embedding (as OpenAI's ``dimensions``
-            does); False returns the first N values as computed.
-        token_counts: How ``usage.prompt_tokens`` is obtained: ``model`` calls the
-            model's ``count_tokens(texts) -> list[int]`` (tokens per text after truncation,
-            run at admission off the event loop; the default repository's model and the
-            huggingface backend have one); ``none`` reports 0 tokens for text inputs. Token-id
-            inputs count their ids either way.
-    """
-
-    enabled: bool = True
-    text_input: str | None = "TEXT"
-    token_ids_input: str | None = None
-    output: str = Field(default="EMBEDDING", min_length=1)
-    dimensions: list[int] = Field(default_factory=list)
-    normalize_truncated: bool = True
-    token_counts: Literal["model", "none"] = "model"
-
-    @model_validator(mode="after")
-    def _check(self) -> EmbeddingConfig:
-        if self.text_input is None and self.token_ids_input is None:
-            raise ValueError("set text_input, token_ids_input or both (both are null)")
-        if self.text_input is not None and self.text_input == self.token_ids_input:
-            raise ValueError(
-                f"text_input and token_ids_input must differ, both are {self.text_input!r}"
-            )
-        for width in self.dimensions:
-            if width < 1:
-                raise ValueError(f"dimensions must be >= 1, got {width}")
-        if len(set(self.dimensions)) != len(self.dimensions):
-            raise ValueError(f"dimensions must not repeat, got {self.dimensions}")
-        return self
-
-
 class ModelConfig(_Strict):
     """A model's ``config.yaml``.
 
@@ -335,7 +325,8 @@ class ModelConfig(_Strict):
         backend: ``python`` (a user class in ``model.py``), ``torch`` (an ``nn.Module`` in
             ``model.py``, a TorchScript ``model.pt`` or a ``torch.export`` program
             ``model.pt2``), ``onnx`` (``model.onnx`` on ONNX Runtime) or ``huggingface``
-            (a local transformers folder, see ``HuggingFaceConfig``).
+            (a local transformers folder, see ``HuggingFaceConfig``), or ``ensemble``
+            (steps run by other models of the repository, see ``ensemble``).
         max_batch_size: Most rows in one batch. 0 disables batching: inputs then carry no
             batch dimension and each request runs alone.
         inputs / outputs: Declared tensors, shapes without the batch dimension. May be
@@ -362,10 +353,16 @@ class ModelConfig(_Strict):
         idle_unload_s: Unload the model after this many seconds without a request (scale
             to zero within the process); its next request loads it again. None: the
             server's ``idle_unload_s``; 0: never.
+        ensemble: The steps of an ensemble (``backend: ensemble``; see
+            :mod:`gpuserve.config_ensemble`).
+        model_transaction_policy: ``decoupled: true`` for a model that answers a request
+            with a stream of responses (see ``TransactionPolicyConfig``; backend python).
+        sequence_batching: Serve a stateful model with the sequence batcher (see
+            :mod:`gpuserve.config_sequence`); None: the dynamic batcher.
     """
 
     name: str | None = None
-    backend: Literal["python", "torch", "onnx", "huggingface"] = "python"
+    backend: Literal["python", "torch", "onnx", "huggingface", "ensemble"] = "python"
     max_batch_size: int = Field(default=8, ge=0, le=1_000_000)
     inputs: list[TensorSpec] = Field(default_factory=list)
     outputs: list[TensorSpec] = Field(default_factory=list)
@@ -382,6 +379,11 @@ class ModelConfig(_Strict):
     embedding: EmbeddingConfig | None = None
     pinned: bool = False
     idle_unload_s: float | None = Field(default=None, ge=0)
+    sequence_batching: SequenceBatchingConfig | None = None
+    ensemble: EnsembleConfig | None = None
+    model_transaction_policy: TransactionPolicyConfig = Field(
+        default_factory=TransactionPolicyConfig
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -398,6 +400,11 @@ class ModelConfig(_Strict):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{label} names must be unique; repeated: {dupes}")
+        if self.model_transaction_policy.decoupled and self.backend != "python":
+            raise ValueError(
+                "model_transaction_policy.decoupled needs backend 'python' (a Model.generate "
+                f"generator or Triton's response sender), got backend {self.backend!r}"
+            )
         for size in self.dynamic_batching.preferred_batch_sizes:
             if self.max_batch_size and size > self.max_batch_size:
                 raise ValueError(
@@ -405,6 +412,33 @@ class ModelConfig(_Strict):
                     f"{self.max_batch_size}"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _check_ensemble(self) -> ModelConfig:
+        # The graph alone (see gpuserve.config_ensemble); the steps' tensors at load.
+        if (self.backend == "ensemble") != (self.ensemble is not None):
+            raise ValueError(
+                "backend 'ensemble' and an 'ensemble' section go together "
+                f"(backend is {self.backend!r}, ensemble is "
+                f"{'set' if self.ensemble is not None else 'missing'})"
+            )
+        if self.ensemble is not None:
+            for label in ("inputs", "outputs"):
+                if not getattr(self, label):
+                    raise ValueError(f"backend 'ensemble' needs {label} declared")
+        return self
+
+    @field_validator("ensemble")
+    @classmethod
+    def _ensemble_graph(cls, ensemble: EnsembleConfig | None, info: Any) -> EnsembleConfig | None:
+        # Reported on field 'ensemble'; inputs and outputs are validated before it.
+        if ensemble is not None:
+            inputs = [t.name for t in info.data.get("inputs", [])]
+            outputs = [t.name for t in info.data.get("outputs", [])]
+            problem = graph_problem(ensemble, inputs, outputs)
+            if problem is not None:
+                raise ValueError(problem)
+        return ensemble
 
     @model_validator(mode="after")
     def _check_embedding(self) -> ModelConfig:
@@ -416,67 +450,26 @@ class ModelConfig(_Strict):
                 raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _check_padding(self) -> ModelConfig:
+        problem = padding_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _check_sequence(self) -> ModelConfig:
+        problem = sequence_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
     def input(self, name: str) -> TensorSpec | None:
         """The declared input called ``name``, or None."""
         for spec in self.inputs:
             if spec.name == name:
                 return spec
         return None
-
-
-_EMBEDDING_DATATYPES = ("FP32", "FP16", "FP64")
-_TOKEN_ID_DATATYPES = ("INT64", "INT32")
-
-
-def embedding_problem(config: ModelConfig, embedding: EmbeddingConfig) -> str | None:
-    """What is wrong with ``embedding`` for ``config``'s tensors, or None when it fits.
-
-    Inputs and outputs are checked only when declared (a backend may fill them in at load):
-    ``text_input`` BYTES ``[1]`` or ``[]``; ``token_ids_input`` INT64/INT32 ``[-1]``; any
-    other input optional (the API sends only one); ``output`` FP32/FP16/FP64 ``[width]``
-    with every ``dimensions`` entry at most ``width``.
-    """
-    where = "embedding"
-    if config.inputs:
-        used = [n for n in (embedding.text_input, embedding.token_ids_input) if n is not None]
-        for name, datatypes, shapes in (
-            (embedding.text_input, ("BYTES",), ([1], [])),
-            (embedding.token_ids_input, _TOKEN_ID_DATATYPES, ([-1],)),
-        ):
-            if name is None:
-                continue
-            spec = config.input(name)
-            if spec is None:
-                names = [t.name for t in config.inputs]
-                return f"{where}: input {name!r} is not declared (inputs: {names})"
-            if spec.datatype not in datatypes or spec.shape not in shapes:
-                return (
-                    f"{where}: input {name!r} is {spec.datatype} {spec.shape}; it must be "
-                    f"{' or '.join(datatypes)} with shape {' or '.join(map(str, shapes))}"
-                )
-            if len(used) > 1 and not spec.optional:
-                return f"{where}: input {name!r} must be optional (a request sends text or ids)"
-        required = [t.name for t in config.inputs if not t.optional and t.name not in used]
-        if required:
-            return (
-                f"{where}: inputs {required} are required, but the embeddings API sends only "
-                f"{used}: declare them optional"
-            )
-    if config.outputs:
-        out = next((t for t in config.outputs if t.name == embedding.output), None)
-        if out is None:
-            names = [t.name for t in config.outputs]
-            return f"{where}: output {embedding.output!r} is not declared (outputs: {names})"
-        if out.datatype not in _EMBEDDING_DATATYPES or len(out.shape) != 1:
-            return (
-                f"{where}: output {out.name!r} is {out.datatype} {out.shape}; it must be "
-                f"{'/'.join(_EMBEDDING_DATATYPES)} with shape [width]"
-            )
-        width = out.shape[0]
-        too_wide = [d for d in embedding.dimensions if width != -1 and d > width]
-        if too_wide:
-            return f"{where}: dimensions {too_wide} exceed the width {width} of {out.name!r}"
-    return None
 
 
 def _format_validation_error(path: Path, err: ValidationError) -> str:

@@ -5,6 +5,7 @@ in :mod:`gpuserve.config`, which re-exports these names.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -84,6 +85,27 @@ class ServerConfig(BaseSettings):
         model_load_timeout_s: How long a request for a model that is not loaded waits for
             it to load (and for room to be made), seconds, when the model sets no
             ``default_timeout_us``; then 503 with the reason.
+        allow_client_shm: Serve Triton's system (and CUDA) shared-memory extension: clients
+            register regions and send inputs / receive outputs through them instead of the
+            request body (off by default: it lets a client make the server map its shm files).
+        admission_workers: Threads that run models' admission steps (the built-in text
+            models count tokens and cut long texts there, per request, before batching);
+            default: the CPU count, 1 to 4.
+        admission_queue: Most requests waiting for or running an admission step at once;
+            beyond it a request is refused with 429.
+        admission_inline_bytes: A request whose inputs hold at most this many bytes runs its
+            admission step on the event loop, at once (a short text costs tens of
+            microseconds to measure: less than a hop to a worker thread and back, and it
+            reaches the batcher sooner); larger ones go to the admission threads. 0: always
+            the threads.
+        malloc_arena_max: Most glibc malloc arenas (``mallopt(M_ARENA_MAX)`` at start;
+            0: glibc's default, 8 per core). See the README's "Memory".
+        malloc_mmap_threshold_bytes: Blocks of at least this many bytes are mapped and
+            unmapped at ``free`` (``mallopt(M_MMAP_THRESHOLD)``), so varied-size tensors do
+            not fragment the heap (0: glibc's dynamic threshold, which rises to 32 MiB).
+        memory_trim_interval_s: ``malloc_trim(0)`` once the process is quiet after work, and
+            at most this often while it is busy, seconds (0: never). All three are no-ops
+            without glibc or with another allocator preloaded.
     """
 
     model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
@@ -119,6 +141,15 @@ class ServerConfig(BaseSettings):
     loaded_models_memory_bytes: int = Field(default=0, ge=0)
     idle_unload_s: float = Field(default=0.0, ge=0)
     model_load_timeout_s: float = Field(default=120.0, gt=0)
+    allow_client_shm: bool = False
+    admission_workers: int = Field(
+        default_factory=lambda: max(1, min(4, os.cpu_count() or 1)), ge=1, le=64
+    )
+    admission_queue: int = Field(default=1024, ge=1)
+    admission_inline_bytes: int = Field(default=2048, ge=0)
+    malloc_arena_max: int = Field(default=0, ge=0)
+    malloc_mmap_threshold_bytes: int = Field(default=0, ge=0)
+    memory_trim_interval_s: float = Field(default=30.0, ge=0)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:

@@ -81,3 +81,25 @@ def test_sigterm_under_load_loses_no_request():
     # the requests in flight at SIGTERM (running and queued) completed
     assert outcomes.count("ok") > before
     assert "drain" in server.output() or "shutdown complete" in server.output()
+
+
+def test_a_connection_accepted_before_sigterm_gets_an_answer_for_its_late_request():
+    """A client that connected just before SIGTERM but is slow to write its request (a busy
+    client machine) still gets an answer, not a connection closed unread."""
+    import socket
+
+    server = SubprocessServer(
+        "--model-repository", str(FIXTURE_REPOSITORY), "--shutdown-timeout-s", "20"
+    )
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        time.sleep(0.2)  # accepted by the server's event loop
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # longer than the listener's close-race pause
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = sock.recv(4096)
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 "), answer
+    assert server.proc.wait(40) == 0

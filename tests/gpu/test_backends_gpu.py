@@ -18,6 +18,7 @@ import pytest
 from gpuserve.backends.base import LoadContext
 from gpuserve.config import ModelConfig, default_model_repository, load_model_config
 from tests.fixtures.backend_models import make_module, reference, write_model_file
+from tests.gpu.model_dir import MODEL_DIR
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
@@ -113,7 +114,16 @@ def text_embedding(device: str, precision: str):
     folder = default_model_repository() / "text_embedding"
     config = load_model_config(folder / "config.yaml").model_copy(update={"precision": precision})
     backend = PythonBackend()
-    backend.load(LoadContext(config=config, version_path=folder / "1", version=1, device=device))
+    parameters = {"model_dir": MODEL_DIR} if MODEL_DIR else {}
+    backend.load(
+        LoadContext(
+            config=config,
+            version_path=folder / "1",
+            version=1,
+            device=device,
+            parameters=parameters,
+        )
+    )
     return backend
 
 

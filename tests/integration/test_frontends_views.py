@@ -21,7 +21,16 @@ from tests.integration.frontends import (
     tensor,
 )
 
-EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "model_repository")
+EXTENSIONS = (
+    "binary_tensor_data",
+    "statistics",
+    "model_configuration",
+    "model_repository",
+    "generate",
+    "classification",
+    "trace",
+    "logging",
+)
 MODELS = ", ".join(sorted(p.name for p in FIXTURE_REPOSITORY.iterdir() if p.is_dir()))
 UNKNOWN_MODEL = (
     f"Request for unknown model: 'nope' is not found (models in the repository: {MODELS})"

@@ -275,3 +275,81 @@ def test_cold_model_loads_at_its_first_request_on_every_frontend(tmp_path, kind)
         assert state_of(server.url, "m1")[0] == "UNAVAILABLE"  # evicted for m0
     finally:
         server.stop()
+
+
+def test_explicit_loads_keep_the_limits_and_strict_readiness_holds_with_nothing_loaded(tmp_path):
+    """Explicit mode + on demand: the repository API's load makes room like a request does
+    (LRU eviction), and answers 503 naming the limit when only pinned models are loaded; with
+    strict readiness and nothing pinned the server is ready before any model loads."""
+    repo = many_models(tmp_path / "repo")
+    write_model(repo, "pin", 9, "pinned: true\n")
+    server = InProcessServer(
+        repo,
+        load_on_demand=True,
+        max_loaded_models=2,
+        model_control_mode="explicit",
+        strict_readiness=True,
+    )
+    try:
+        url = server.url
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert client.get("/v2/health/ready").status_code == 200
+            assert state_of(url, "pin")[0] == "READY"
+            assert client.post("/v2/repository/models/m0/load").status_code == 200
+            assert state_of(url, "m0")[0] == "READY"
+            # pin + m0 = 2: loading m1 evicts m0 (least recently used, not pinned)
+            assert client.post("/v2/repository/models/m1/load").status_code == 200
+            assert state_of(url, "m1")[0] == "READY"
+            state, reason = state_of(url, "m0")
+            assert state != "READY" and "least recently used" in reason, (state, reason)
+            assert answer(infer(client, "m1")) == 11
+            assert client.get("/v2/health/ready").status_code == 200
+        assert metric(url, "gpuserve_model_evictions_total", model="m0") >= 1
+    finally:
+        server.stop()
+
+
+def test_explicit_load_with_no_room_is_503_naming_the_limit(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "pin", 1, "pinned: true\n")
+    write_model(repo, "m0", 0)
+    server = InProcessServer(
+        repo, load_on_demand=True, max_loaded_models=1, model_control_mode="explicit"
+    )
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            response = client.post("/v2/repository/models/m0/load")
+            assert response.status_code == 503, response.text
+            message = response.json()["error"]
+            assert "failed to load 'm0'" in message and "limit of 1 loaded models" in message
+            assert state_of(server.url, "pin")[0] == "READY"
+    finally:
+        server.stop()
+
+
+def test_poll_mode_models_added_later_load_on_demand_within_the_limit(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "m0", 0)
+    server = InProcessServer(
+        repo,
+        load_on_demand=True,
+        max_loaded_models=1,
+        model_control_mode="poll",
+        repository_poll_interval_s=0.2,
+    )
+    try:
+        url = server.url
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert answer(infer(client, "m0")) == 1
+            write_model(repo, "m1", 1)  # appears while running: dormant until a request
+            wait_until(
+                lambda: any(r["name"] == "m1" for r in client.post("/v2/repository/index").json()),
+                10,
+                "m1 in the index",
+            )
+            assert state_of(url, "m1")[0] != "READY"  # a poll does not load it
+            assert answer(infer(client, "m1")) == 11  # its request does, evicting m0
+            assert state_of(url, "m0")[0] != "READY"
+            assert answer(infer(client, "m0")) == 1
+    finally:
+        server.stop()

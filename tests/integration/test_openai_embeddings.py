@@ -518,3 +518,27 @@ def test_the_api_token_guards_every_v1_endpoint(token_server):
     with openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0) as right:
         assert right.embeddings.create(model="ids_model", input="a b").usage.prompt_tokens == 2
         assert [m.id for m in right.models.list()] == ["ids_model"]
+
+
+def test_transport_refusals_on_openai_paths_use_openai_error_shape(server):
+    """A body over max_request_body_bytes is refused by the HTTP transport before any
+    handler runs; on /v1/ paths the answer still has OpenAI's error fields."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 999999999999\r\n\r\n"
+        )
+        raw = b""
+        while b"\r\n\r\n" not in raw or not raw.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), head
+    error = __import__("json").loads(body)["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "max_request_body_bytes" in error["message"]

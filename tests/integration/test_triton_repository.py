@@ -115,7 +115,9 @@ class TritonPythonModel:
         return responses
 """
 
-SEQUENCE_CONFIG = ADD_SUB_CONFIG.replace('name: "add_sub"', "") + "sequence_batching { }\n"
+SEQUENCE_CONFIG = ADD_SUB_CONFIG.replace('name: "add_sub"', "") + (
+    "sequence_batching { iterative_sequence: true }\n"
+)
 
 
 def _folder(root: Path, name: str, config: str) -> Path:
@@ -212,9 +214,17 @@ def test_http_config_is_tritons_model_config_with_grpcs_content(http, grpc):
     config = http.get_model_config("linear_onnx")
     assert config["name"] == "linear_onnx" and config["max_batch_size"] == 8
     assert config["input"] == [
-        {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [8], "optional": False}
+        {
+            "name": "INPUT0",
+            "data_type": "TYPE_FP32",
+            "format": "FORMAT_NONE",
+            "dims": [8],
+            "optional": False,
+        }
     ]
-    assert config["output"] == [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}]
+    assert config["output"] == [
+        {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4], "label_filename": ""}
+    ]
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 1000
     # The same message: HTTP's JSON parsed into Triton's ModelConfig equals gRPC's.
@@ -248,7 +258,8 @@ def test_model_ready_names_the_model_and_unknown_models_use_tritons_words(server
 def test_unsupported_fields_fail_the_load_naming_the_field(server, http, grpc):
     index = {row["name"]: row for row in http.get_model_repository_index()}
     assert index["sequence"]["state"] == "UNAVAILABLE"
-    assert "field 'sequence_batching': not supported by gpuserve yet" in index["sequence"]["reason"]
+    reason = index["sequence"]["reason"]
+    assert "field 'sequence_batching.iterative_sequence': not supported by gpuserve" in reason
     assert not http.is_model_ready("sequence")
     for client in (http, grpc):
         with pytest.raises(InferenceServerException) as err:
@@ -280,11 +291,47 @@ def test_a_load_override_in_tritons_json_schema(http):
             tensor.set_data_from_numpy(rows)
         result = http.infer("add_sub", inputs)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), rows * 2)
-        bad = dict(config, sequence_batching={})
+        bad = dict(config, sequence_batching={"iterativeSequence": True})
         with pytest.raises(InferenceServerException) as err:
             http.load_model("add_sub", config=json.dumps(bad))
         assert "failed to load 'add_sub'" in err.value.message()
-        assert "field 'sequence_batching'" in err.value.message()
+        assert "field 'sequence_batching.iterative_sequence'" in err.value.message()
+        with pytest.raises(InferenceServerException) as err:  # not JSON at all
+            http.load_model("add_sub", config="{not json")
+        assert err.value.message().startswith("failed to load 'add_sub': parameter 'config'")
     finally:
         http.load_model("add_sub")  # back to its config.pbtxt
     assert http.get_model_config("add_sub")["max_batch_size"] == 0
+
+
+def test_model_config_shows_sequence_batching_ensembles_and_decoupled(tmp_path):
+    """The ModelConfig view (HTTP JSON and gRPC) carries Triton's scheduling choice and
+    transaction policy, which Triton's tools read to drive sequence, ensemble and decoupled
+    models."""
+    import shutil
+
+    from tests.helpers import InProcessServer
+
+    examples = Path(__file__).parents[2] / "examples"
+    root = tmp_path / "models"
+    shutil.copytree(
+        examples / "sequence" / "model_repository" / "simple_sequence", root / "simple_sequence"
+    )
+    shutil.copytree(
+        Path(__file__).parents[1] / "fixtures" / "decoupled" / "repeat_int32", root / "repeat_int32"
+    )
+    server = InProcessServer(root)
+    try:
+        http = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+        grpc = grpcclient.InferenceServerClient(server.grpc_url)
+        sequence = http.get_model_config("simple_sequence")
+        assert "sequence_batching" in sequence and "dynamic_batching" not in sequence
+        kinds = {c["control"][0]["kind"] for c in sequence["sequence_batching"]["control_input"]}
+        assert {"CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_READY"} <= kinds
+        over_grpc = grpc.get_model_config("simple_sequence").config
+        assert over_grpc.WhichOneof("scheduling_choice") == "sequence_batching"
+        repeat = http.get_model_config("repeat_int32")
+        assert repeat["model_transaction_policy"] == {"decoupled": True}
+        assert grpc.get_model_config("repeat_int32").config.model_transaction_policy.decoupled
+    finally:
+        server.stop()

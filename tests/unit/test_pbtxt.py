@@ -111,12 +111,11 @@ TENSORS = (
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ("sequence_batching { }", "field 'sequence_batching': not supported by gpuserve yet"),
-        ("ensemble_scheduling { }", "field 'ensemble_scheduling': not supported by gpuserve yet"),
         (
-            "model_transaction_policy { decoupled: true }",
-            "field 'model_transaction_policy.decoupled': not supported by gpuserve yet",
+            "sequence_batching { iterative_sequence: true }",
+            "field 'sequence_batching.iterative_sequence': not supported by gpuserve",
         ),
+        ("ensemble_scheduling { }", "field 'ensemble_scheduling': needs platform \"ensemble\""),
         ("response_cache { enable: true }", "field 'response_cache': not supported by gpuserve"),
         (
             "dynamic_batching { priority_queue_policy { key: 1 value { } } }",
@@ -158,7 +157,7 @@ def test_unsupported_fields_are_refused_naming_file_and_field(tmp_path, extra, m
     [
         (
             'platform: "tensorrt_plan"',
-            "field 'platform': not served by gpuserve (supported: onnxruntime, "
+            "field 'platform': not served by gpuserve (supported: ensemble, onnxruntime, "
             "onnxruntime_onnx, python, pytorch, pytorch_libtorch) (given: 'tensorrt_plan')",
         ),
         (
@@ -176,9 +175,9 @@ def test_unsupported_fields_are_refused_naming_file_and_field(tmp_path, extra, m
             "to dims [4]) (given: [2, 2])",
         ),
         (
-            'backend: "python" output { name: "y" data_type: TYPE_FP32 dims: [3] '
-            'label_filename: "labels.txt" }',
-            "field 'output[0].label_filename': not supported by gpuserve yet (classification)",
+            'backend: "python" input { name: "x" data_type: TYPE_FP32 dims: [3] } '
+            'output { name: "y" data_type: TYPE_FP32 dims: [3] label_filename: "../labels.txt" }',
+            "invalid model configuration",
         ),
         ('backend: "python" max_batch_size: "x"', "field 'max_batch_size': expected an integer"),
     ],
@@ -230,5 +229,6 @@ def test_a_load_override_in_tritons_json_schema(tmp_path):
     assert (entry.config.max_batch_size, entry.config.inputs[0].shape) == (4, [16])
     assert entry.config.instance_group[0].kind == "cpu"
     assert entry.config.parameters == {"k": "v"}
-    with pytest.raises(ConfigError, match=r"^<load>: field 'sequence_batching'"):
-        triton_config_from_json({"backend": "python", "sequence_batching": {}}, Path("<load>"), "m")
+    with pytest.raises(ConfigError, match=r"^<load>: field 'sequence_batching.iterative_sequence'"):
+        sequence = {"backend": "python", "sequence_batching": {"iterativeSequence": True}}
+        triton_config_from_json(sequence, Path("<load>"), "m")

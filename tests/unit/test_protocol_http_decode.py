@@ -736,8 +736,8 @@ def test_empty_outputs_means_all() -> None:
         ),
         ([{"name": "OUTPUT0", "parameters": []}], "'parameters' must be a JSON object"),
         (
-            [{"name": "OUTPUT0", "parameters": {"classification": 3}}],
-            "'classification' is not supported",
+            [{"name": "OUTPUT0", "parameters": {"classification": -3}}],
+            "'classification' must be a non-negative integer",
         ),
         ([{"name": "OUTPUT0", "parameters": {"shared_memory_region": "r"}}], "shared memory"),
     ],

@@ -49,6 +49,12 @@ def test_register_refusals(root):
         registry.register("x", "missing", 0, 1)
     with pytest.raises(InvalidInputError, match=r"not a valid POSIX shm name"):
         registry.register("x", "../etc/passwd", 0, 1)
+    (root / "link").symlink_to(root / "input_data")
+    with pytest.raises(InvalidInputError, match=r"cannot open key 'link'"):
+        registry.register("x", "link", 0, 1)  # never through a symbolic link
+    (root / "folder").mkdir()
+    with pytest.raises(InvalidInputError, match=r"cannot open key 'folder'|not a shared-memory"):
+        registry.register("x", "folder", 0, 1)
     registry.register("in", "input_data", 0, 8)
     with pytest.raises(InvalidInputError, match=r"already registered"):
         registry.register("in", "input_data", 0, 8)

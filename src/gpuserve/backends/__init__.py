@@ -36,6 +36,10 @@ def backend_class(name: str) -> type[Backend]:
         from gpuserve.backends.huggingface import HuggingFaceBackend
 
         return HuggingFaceBackend
+    if name == "ensemble":  # run by the engine; only complete_config is asked for
+        from gpuserve.backends.ensemble import EnsembleBackend
+
+        return EnsembleBackend
     raise ValueError(f"unknown backend {name!r} (expected one of {', '.join(BACKEND_NAMES)})")
 
 

@@ -15,11 +15,15 @@ calls it from its own execution thread, never concurrently, in this order::
 (the rows of every request in the batch, concatenated in order). ``postprocess`` must return
 every declared output, each with the same number of rows as the inputs; the engine checks this
 and splits the rows back to their requests. A backend knows nothing of queues or protocols.
+
+A backend may also declare an admission step (:meth:`Backend.admission`): per request, before
+batching, on the server's admission threads, it measures the request and may cut its inputs.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.config import ModelConfig
-from gpuserve.errors import ConfigError
+from gpuserve.errors import BackendError, ConfigError
 
 # int8 (dynamic quantisation) keeps float32 activations.
 _PRECISION_TO_TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
@@ -44,6 +48,8 @@ class LoadContext:
         device: Torch device string, ``"cpu"`` or ``"cuda:N"``.
         instance_index: Index of this instance among the model's instances.
         parameters: ``config.parameters``, for convenience.
+        caller: Calls another model of the repository in-process (business-logic scripting,
+            see :meth:`infer`); None outside a server.
     """
 
     config: ModelConfig
@@ -52,6 +58,40 @@ class LoadContext:
     device: str = "cpu"
     instance_index: int = 0
     parameters: dict[str, Any] = field(default_factory=dict)
+    caller: Any = None
+
+    def infer(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        *,
+        version: str | None = None,
+        outputs: list[str] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run ``model`` of the repository on ``inputs`` and wait for its outputs (from the
+        model's own hooks, on its instance thread; the request batches with the callee's
+        other traffic). See :mod:`gpuserve.engine.calls`.
+
+        Args:
+            model: The callee's name (not this model: that would wait on itself).
+            inputs: Input name -> numpy array, batch dimension first when the callee batches.
+            version: Its version, None for its default one.
+            outputs: Outputs to return, None for all.
+            timeout_s: Longest wait, seconds (default 30).
+
+        Returns:
+            Output name -> numpy array.
+
+        Raises:
+            GpuserveError: the callee's error (400 bad inputs, 404/503 not served, ...), or
+                RequestTimeoutError when no answer came in ``timeout_s``.
+        """
+        if self.caller is None:
+            raise BackendError("context.infer needs a server (no model caller was given)")
+        response = self.caller(model, inputs, version=version, outputs=outputs, timeout_s=timeout_s)
+        outputs_: dict[str, np.ndarray] = response.outputs
+        return outputs_
 
     @property
     def precision(self) -> str:
@@ -81,8 +121,51 @@ class RowErrors(dict):  # type: ignore[type-arg]
         self.errors = dict(errors)
 
 
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What a model's admission step made of one request (see :meth:`Backend.admission`).
+
+    Attributes:
+        lengths: Per row, its length in the model's unit (tokens for text models, special
+            tokens included, after the model's truncation): one entry per batch row.
+        inputs: Inputs to queue instead of the request's (same names, datatypes and shapes;
+            e.g. texts cut before tokenisation), or None to keep them.
+    """
+
+    lengths: tuple[int, ...]
+    inputs: dict[str, np.ndarray] | None = None
+
+
+#: A model's admission step: the request's inputs (name -> array, batch dimension first)
+#: -> :class:`Admitted`. Raises ``InvalidInputError`` (400, naming the input) for bad input.
+AdmissionStep = Callable[[dict[str, np.ndarray]], Admitted]
+
+
 class Backend(abc.ABC):
-    """One loaded copy of a model, driven by one engine instance thread."""
+    """One loaded copy of a model, driven by one engine instance thread.
+
+    Attributes:
+        unpadded_batches: Whether this copy runs batches of variable-length rows without
+            padding (packed sequences, e.g. the built-in BERT encoder on CUDA), read after
+            load: the dynamic batcher then does not group rows by length and counts real
+            tokens against ``max_batch_tokens``. Default False (batches are padded).
+    """
+
+    unpadded_batches: bool = False
+
+    def admission(self) -> AdmissionStep | None:
+        """The model's admission step, or None (the default) when it declares none.
+
+        A step runs once per request at admission, before batching, in the server's bounded
+        pool of admission threads (``admission_workers``), off the event loop: it measures
+        the request (its rows' lengths, which the dynamic batcher groups by and bounds a
+        batch's tokens with) and may replace its inputs (text models truncate before
+        tokenising, so no request costs more than the model's limit). Asked after load,
+        per request (return a stored callable: this must be cheap). The step is called from
+        several threads at once and beside this instance's stages: it must be thread-safe
+        and never touch what ``preprocess`` uses (a text model keeps its own tokenizer copy).
+        """
+        return None
 
     @classmethod
     def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:

@@ -26,6 +26,15 @@ Stages: the CPU stage decodes the UTF-8 rows and tokenises them with the fast to
 device stage runs the model on ``context.device`` in ``context.torch_dtype`` (pooling and
 logits in float32); the CPU stage converts to numpy. With ``truncation: false`` a row longer
 than ``max_length`` fails alone (400); the rest of its batch is served.
+
+Admission step (:meth:`HuggingFaceBackend.admission`, per request before batching, on the
+server's admission threads): each row's tokens after truncation, and a text longer than
+``max_length`` tokens cut before tokenisation to a prefix that tokenises exactly as the whole
+text truncated (:mod:`gpuserve.models.text_truncation`; at most ``max_length x 128``
+characters are read), so a 2 MB text costs what a ``max_length``-token one does. With
+``truncation: false`` a row over ``max_length`` fails its request with 400 at admission
+(naming its count and the limit); a row over ``max_length x 128`` characters whose count that
+prefix cannot settle is refused with 400 (the character cap).
 """
 
 from __future__ import annotations
@@ -33,16 +42,23 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
 from gpuserve.backends.optional import library_lock, require
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
-from gpuserve.errors import ConfigError, InvalidInputError
+from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 from gpuserve.models.sentence_embedding import decode_texts
+from gpuserve.models.text_truncation import (
+    PrefixTruncator,
+    admit_texts,
+    bounded_texts,
+    length_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +296,8 @@ class HuggingFaceBackend(Backend):
         self.multi_label = False
         self._input_names: list[str] = []
         self._pin = False
-        self._counter: Any = None
+        self._truncator: PrefixTruncator | None = None
+        self._step: AdmissionStep | None = None
 
     @classmethod
     def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
@@ -316,6 +333,15 @@ class HuggingFaceBackend(Backend):
         with library_lock("transformers"):
             self.tokenizer, model = _from_pretrained(transformers, folder, self.task)
         self.max_length = _max_length(hf.max_length, info, self.tokenizer)
+        # The admission step's own copy of the tokenizer's Rust core (thread-safe; the CPU
+        # stage's transformers tokenizer changes its settings per call).
+        self._truncator = PrefixTruncator(
+            self.tokenizer.backend_tokenizer,
+            self.max_length,
+            strict=not self.truncation,
+            direction=getattr(self.tokenizer, "truncation_side", "right"),
+        )
+        self._step = partial(admit_texts, self._truncator, name=self.text_input)
         self._input_names = list(self.tokenizer.model_input_names)
         self.device = torch.device(context.device)
         self.model = model.to(device=self.device, dtype=context.torch_dtype).eval()
@@ -348,22 +374,16 @@ class HuggingFaceBackend(Backend):
     def preprocess(self, inputs: dict[str, np.ndarray]) -> TokenBatch:
         texts = decode_texts(inputs[self.text_input])
         errors: dict[int, InvalidInputError] = {}
-        if not self.truncation:
-            lengths = [
-                len(ids)
-                for ids in self.tokenizer(
-                    texts,
-                    truncation=False,
-                    return_attention_mask=False,
-                    return_token_type_ids=False,
-                )["input_ids"]
-            ]
-            for row, length in enumerate(lengths):
-                if length > self.max_length:
-                    errors[row] = InvalidInputError(
-                        f"input '{self.text_input}': {length} tokens, more than max_length "
-                        f"{self.max_length} (truncation is off)"
-                    )
+        truncator = self._truncator
+        assert truncator is not None, "the huggingface backend is not loaded"
+        if self.truncation:  # texts that did not go through admission: cut them too
+            texts = bounded_texts(truncator, texts)
+        else:  # rows over max_length (counted on a bounded prefix) fail alone
+            where = f"input '{self.text_input}'"
+            for row, length in enumerate(truncator.measure(texts)):
+                problem = length_problem(truncator, length, where)
+                if problem is not None:
+                    errors[row] = InvalidInputError(problem)
                     texts[row] = ""
         encoded = self.tokenizer(
             texts,
@@ -377,25 +397,25 @@ class HuggingFaceBackend(Backend):
             features = {k: v.pin_memory() for k, v in features.items()}
         return TokenBatch(features, errors)
 
+    def admission(self) -> AdmissionStep | None:
+        """The text tasks' admission step: tokens per row after truncation, long texts cut
+        before tokenisation (with ``truncation: false``, a row over ``max_length`` fails its
+        request with 400 at admission). See :mod:`gpuserve.models.text_truncation`."""
+        return self._step
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens per text as :meth:`preprocess` feeds them to the model (special tokens
         included, truncated to ``max_length``, no padding): ``usage`` of ``/v1/embeddings``.
 
         Called from worker threads while batches run, so it never uses the tokenizer of
-        the CPU stage (a transformers call changes its truncation and padding settings):
-        it encodes with its own copy of the fast tokenizer's Rust core, made on first use.
+        the CPU stage (a transformers call changes its truncation and padding settings): the
+        admission step's truncator owns a copy of the fast tokenizer's Rust core, and reads
+        only a bounded prefix of each text.
         """
-        counter = self._counter
-        if counter is None:  # two threads may both build one: harmless, one is kept
-            core = self.tokenizer.backend_tokenizer
-            counter = type(core).from_str(core.to_str())
-            counter.no_padding()
-            counter.enable_truncation(
-                max_length=self.max_length,
-                direction=getattr(self.tokenizer, "truncation_side", "right"),
-            )
-            self._counter = counter
-        return [len(encoding.ids) for encoding in counter.encode_batch_fast(list(texts))]
+        truncator = self._truncator
+        if truncator is None:
+            raise BackendError("the huggingface backend is not loaded")
+        return [row.tokens for row in truncator.measure(list(texts))]
 
     def forward(self, prepared: TokenBatch) -> DeviceResult:
         import torch
@@ -433,7 +453,8 @@ class HuggingFaceBackend(Backend):
     def unload(self) -> None:
         self.model = None
         self.tokenizer = None
-        self._counter = None
+        self._truncator = None
+        self._step = None
 
 
 def _from_pretrained(transformers: Any, folder: str, task: str) -> tuple[Any, Any]:

@@ -14,16 +14,47 @@
 
 Only ``forward`` is required. The default ``preprocess`` passes the numpy inputs through; the
 default ``postprocess`` accepts a dict of numpy arrays or torch tensors (moved to the CPU).
+
+An optional **admission step** runs once per request, at admission, before batching, on the
+server's pool of admission threads (``--admission-workers``), off the event loop::
+
+        def admit(self, inputs):            # one request's inputs -> Admitted
+            texts = inputs["TEXT"]          # e.g. cut long texts, count their tokens
+            return Admitted(lengths=(...one per row...), inputs=None or {same names/shapes})
+
+It returns :class:`~gpuserve.backends.base.Admitted`: each row's length (tokens for a text
+model; the dynamic batcher groups requests by it and bounds a batch's tokens with it) and,
+optionally, inputs to queue instead (same names, datatypes and shapes: texts truncated before
+tokenisation, so one huge text costs no more than the model's limit). It runs on several
+threads at once and beside the instance's stages, so it must be thread-safe and never touch
+what ``preprocess`` uses (keep a copy of the tokenizer for it). Raising ``InvalidInputError``
+fails that request alone with 400 (name the input); any other exception fails it with 500.
+A model without ``admit`` is queued as soon as it is decoded, as before.
+
+A **decoupled** model (``model_transaction_policy: {decoupled: true}``) defines a generator
+instead of ``forward``::
+
+        def generate(self, inputs):         # one request's inputs -> zero or more responses
+            for token in ...:
+                yield {"TOKEN": np.array([token])}
+
+Each yielded dict is one response (output name -> array or torch tensor; the declared outputs,
+or the ones it has). The stream's final mark follows the generator's end; an exception ends
+the stream with that error. ``yield`` blocks while the client reads slowly (bounded buffer),
+and when the client cancels or goes away the generator is closed (``GeneratorExit`` at the
+``yield``; its ``finally`` runs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
 from gpuserve.backends.loader import import_module_from_path
+from gpuserve.backends.streaming import ResponseSink, run_generator
 from gpuserve.errors import ConfigError
 
 
@@ -53,6 +84,12 @@ class PythonModel:
     def postprocess(self, outputs: Any) -> dict[str, np.ndarray]:
         """CPU stage: name -> numpy array. Default: converts torch tensors to numpy."""
         return to_numpy_dict(outputs)
+
+    def generate(self, inputs: dict[str, np.ndarray]) -> Iterator[dict[str, Any]]:
+        """Decoupled models only: yield the responses of one request (see the module
+        docstring). ``inputs``: name -> array of this request alone (batch dimension first
+        when ``max_batch_size > 0``)."""
+        raise NotImplementedError("Model.generate is not implemented (decoupled models)")
 
     def unload(self) -> None:
         """Release resources. Default: nothing."""
@@ -84,6 +121,8 @@ class PythonBackend(Backend):
 
     def __init__(self) -> None:
         self.model: Any = None
+        self._admit_of: Any = None
+        self._admit: AdmissionStep | None = None
 
     def load(self, context: LoadContext) -> None:
         path = context.version_path / "model.py"
@@ -96,6 +135,16 @@ class PythonBackend(Backend):
         self.model = cls()
         self.model.context = context
         self.model.load(context)
+        # a model that packs variable-length rows itself (no padding) says so
+        self.unpadded_batches = bool(getattr(self.model, "unpadded_batches", False))
+
+    def admission(self) -> AdmissionStep | None:
+        """``Model.admit`` when the model defines one (looked up once per model object)."""
+        model = self.model
+        if model is not self._admit_of:
+            hook = getattr(model, "admit", None)
+            self._admit, self._admit_of = (hook if callable(hook) else None), model
+        return self._admit
 
     def warmup(self) -> None:
         hook = getattr(self.model, "warmup", None)
@@ -112,6 +161,14 @@ class PythonBackend(Backend):
     def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
         hook = getattr(self.model, "postprocess", None)
         return to_numpy_dict(raw if hook is None else hook(raw))
+
+    def stream(self, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
+        """Decoupled execution: ``Model.generate(inputs)`` into ``sink`` (see
+        :mod:`gpuserve.backends.streaming`)."""
+        generate = getattr(self.model, "generate", None)
+        if generate is None:
+            raise ConfigError("a decoupled python model needs a generate(inputs) method")
+        run_generator(generate(inputs), sink)
 
     def unload(self) -> None:
         hook = getattr(self.model, "unload", None)

@@ -4,7 +4,10 @@ Modules, from the wire up:
 
 * :mod:`~gpuserve.bench.http_client` - a lean HTTP/1.1 keep-alive client (asyncio protocol).
 * :mod:`~gpuserve.bench.targets` - HTTP and gRPC targets handing out sessions.
+* :mod:`~gpuserve.bench.raw_target` - ready-made bodies POSTed to any URL (non-V2 peers).
 * :mod:`~gpuserve.bench.inputs` - request data from model metadata or a file, encoded once.
+* :mod:`~gpuserve.bench.lines` - varied requests from a file of one body or text per line.
+* :mod:`~gpuserve.bench.tokens` - each request's size in tokens, for tokens/s.
 * :mod:`~gpuserve.bench.stats` - per-request records, percentiles, window stability (pure).
 * :mod:`~gpuserve.bench.loadgen` - closed/open-loop load, warm-up, windows until stable.
 * :mod:`~gpuserve.bench.server_info` - metadata, statistics extension, GPU metrics.

@@ -142,6 +142,8 @@ class LevelResult:
             "stable": self.stable,
             "throughput_infer_per_s": s.throughput,
             "throughput_rows_per_s": s.throughput * self.batch_size,
+            "throughput_tokens_per_s": s.tokens_per_s,
+            "mean_tokens_per_request": s.mean_tokens,
             "requests": s.requests,
             "ok": s.ok,
             "errors": s.errors,
@@ -166,6 +168,7 @@ class LevelResult:
                     "p50_ms": w.latency_ms[50],
                     "p99_ms": w.latency_ms[99],
                     "mean_ms": w.mean_ms,
+                    "tokens_per_s": w.tokens_per_s,
                     "errors": w.errors,
                 }
                 for w in self.windows
@@ -186,6 +189,8 @@ class _Run:
         self.settings = settings
         self.stopping = False
         self.sessions: list[Session] = []
+        # tokens per sample (gpuserve.bench.tokens), when the target knows them
+        self.tokens: list[int] | None = getattr(target, "sample_tokens", None) or None
 
 
 async def _send(run: _Run, session: Session, index: int, start: float) -> None:
@@ -199,7 +204,8 @@ async def _send(run: _Run, session: Session, index: int, start: float) -> None:
         session.close()
         await asyncio.sleep(0.01)  # a refused connection must not spin the loop
     end = time.perf_counter()
-    run.rec.add(end, end - start, status, queue_us, compute_us)
+    tokens = run.tokens[index % len(run.tokens)] if run.tokens is not None else -1
+    run.rec.add(end, end - start, status, queue_us, compute_us, tokens)
 
 
 async def _closed_worker(run: _Run, offset: int) -> None:

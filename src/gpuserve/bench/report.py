@@ -25,6 +25,8 @@ CSV_FIELDS = [
     "batch_size",
     "throughput_infer_per_s",
     "throughput_rows_per_s",
+    "throughput_tokens_per_s",
+    "mean_tokens_per_request",
     "p50_ms",
     "p90_ms",
     "p95_ms",
@@ -58,6 +60,8 @@ def level_row(result: LevelResult) -> dict[str, Any]:
         "batch_size": result.batch_size,
         "throughput_infer_per_s": round(s.throughput, 3),
         "throughput_rows_per_s": round(s.throughput * result.batch_size, 3),
+        "throughput_tokens_per_s": None if s.tokens_per_s is None else round(s.tokens_per_s, 1),
+        "mean_tokens_per_request": None if s.mean_tokens is None else round(s.mean_tokens, 1),
         "p50_ms": round(s.latency_ms[50], 3),
         "p90_ms": round(s.latency_ms[90], 3),
         "p95_ms": round(s.latency_ms[95], 3),
@@ -104,6 +108,9 @@ def render_table(result: BenchResult) -> Any:
     batch = result.levels[0].batch_size if result.levels else 1
     table = Table(title=f"{result.model.name} · {result.target} · batch {batch}")
     headers = [unit, "infer/s", "p50", "p90", "p95", "p99", "queue", "compute", "errors"]
+    counts = result.token_counts
+    if counts is not None:
+        headers[2:2] = [counts.label, "tokens/req" if counts.unit == "tokens" else "words/req"]
     has_gpu = any(level.gpu for level in result.levels)
     if has_gpu:
         headers += ["gpu util", "gpu mem"]
@@ -122,6 +129,11 @@ def render_table(result: BenchResult) -> Any:
             _num(row["server_compute_ms"], 2),
             row["errors"] or "0",
         ]
+        if counts is not None:
+            cells[2:2] = [
+                _num(row["throughput_tokens_per_s"], 0),
+                _num(row["mean_tokens_per_request"], 1),
+            ]
         if has_gpu:
             gpu_mem = row["gpu_memory_used_bytes"]
             cells += [
@@ -130,6 +142,8 @@ def render_table(result: BenchResult) -> Any:
             ]
         table.add_row(*cells)
     notes = ["latencies in ms; queue/compute: server-side means"]
+    if counts is not None:
+        notes.append(f"sized by {counts.detail}")
     cpu = max((level.client_cpu or 0.0) for level in result.levels) if result.levels else 0.0
     notes.append(f"generator CPU at most {cpu:.0%} of a core")
     if any(not level.stable for level in result.levels):

@@ -20,7 +20,8 @@ class Recorder:
 
     Columns: ``end_s`` (completion time), ``latency_s``, ``status`` (``"200"``, ``"429"``,
     ``"UNAVAILABLE"``, ``"error:ConnectionResetError"``...), ``queue_us`` / ``compute_us``
-    (server-reported, -1 when the server sent none).
+    (server-reported, -1 when the server sent none), ``tokens`` (the request's size in
+    tokens when the target knows it, see :mod:`gpuserve.bench.tokens`; -1 otherwise).
     """
 
     def __init__(self) -> None:
@@ -29,18 +30,26 @@ class Recorder:
         self.status: list[str] = []
         self.queue_us: list[int] = []
         self.compute_us: list[int] = []
+        self.tokens: list[int] = []
 
     def __len__(self) -> int:
         return len(self.end_s)
 
     def add(
-        self, end_s: float, latency_s: float, status: str, queue_us: int, compute_us: int
+        self,
+        end_s: float,
+        latency_s: float,
+        status: str,
+        queue_us: int,
+        compute_us: int,
+        tokens: int = -1,
     ) -> None:
         self.end_s.append(end_s)
         self.latency_s.append(latency_s)
         self.status.append(status)
         self.queue_us.append(queue_us)
         self.compute_us.append(compute_us)
+        self.tokens.append(tokens)
 
 
 @dataclass(slots=True)
@@ -58,6 +67,9 @@ class WindowStats:
         max_ms: Largest latency of successes, milliseconds.
         queue_ms / compute_ms: Mean server-reported queue and compute time, milliseconds,
             or None when the server sent no timing headers.
+        tokens_per_s: Tokens of the successful requests per second, or None when the
+            requests' sizes are unknown.
+        mean_tokens: Mean tokens per successful request, or None likewise.
     """
 
     duration_s: float
@@ -70,6 +82,8 @@ class WindowStats:
     max_ms: float
     queue_ms: float | None = None
     compute_ms: float | None = None
+    tokens_per_s: float | None = None
+    mean_tokens: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -91,6 +105,8 @@ def summarize(rec: Recorder, lo: int, hi: int, duration_s: float) -> WindowStats
     compute = np.asarray(rec.compute_us[lo:hi], dtype=np.float64)[ok_mask]
     queue = queue[queue >= 0]
     compute = compute[compute >= 0]
+    tokens = np.asarray(rec.tokens[lo:hi], dtype=np.float64)[ok_mask]
+    known = bool(tokens.size) and bool((tokens >= 0).all())
     return WindowStats(
         duration_s=duration_s,
         requests=hi - lo,
@@ -102,6 +118,8 @@ def summarize(rec: Recorder, lo: int, hi: int, duration_s: float) -> WindowStats
         max_ms=max_ms,
         queue_ms=float(queue.mean()) / 1000.0 if queue.size else None,
         compute_ms=float(compute.mean()) / 1000.0 if compute.size else None,
+        tokens_per_s=float(tokens.sum()) / duration_s if known and duration_s > 0 else None,
+        mean_tokens=float(tokens.mean()) if known else None,
     )
 
 

@@ -92,6 +92,9 @@ class HttpSession:
 class HttpTarget:
     """KServe V2 over HTTP/REST.
 
+    ``sample_tokens`` (set after construction, one per sample) sizes each request in tokens
+    for the tokens/s figures (:mod:`gpuserve.bench.tokens`); None: sizes unknown.
+
     Args:
         url: Server base URL, ``http://host:port``.
         info: The model under test.
@@ -114,6 +117,7 @@ class HttpTarget:
         token: str | None = None,
         ca_file: str | Path | None = None,
     ) -> None:
+        self.sample_tokens: list[int] | None = None
         self.host, self.port, prefix = split_url(url)
         self.ssl = tls_context(ca_file) if is_https(url) else None
         path = f"{prefix}/v2/models/{info.name}"
@@ -238,6 +242,7 @@ class GrpcTarget:
         token: str | None = None,
         ca_file: str | Path | None = None,
     ) -> None:
+        self.sample_tokens: list[int] | None = None  # as HttpTarget's
         service_pb2, _ = _grpc_modules()
         self.metadata = tuple(auth_headers(token).items()) or None
         self.tls = address.startswith("grpcs://")

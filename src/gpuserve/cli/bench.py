@@ -3,6 +3,12 @@
     gpuserve bench --model text_embedding --concurrency 1:64:x2
     gpuserve bench --model simple --request-rate 100:800:+100 --arrival poisson
     gpuserve bench --model simple --protocol grpc --grpc-url 127.0.0.1:8001 --tensor-format binary
+    gpuserve bench --model text_embedding --input-lines texts.txt --concurrency 1,8,32
+
+``--input-lines FILE`` sends varied inputs: one request per line, a V2 JSON body or (for a
+model with one BYTES input) a plain text. Each request is sized in tokens before the run
+(``--tokens``: the server's own count from ``/v1/embeddings`` when it offers one, a
+tokenizer file, or words as a labelled approximation) and the table adds tokens/s.
 
 Writes a table to stdout and ``bench.json``, ``bench.csv`` and ``bench.png`` (latency against
 throughput) to a new folder ``gpuserve-bench/<date>-<time>/`` per run, or to ``--output-dir``
@@ -107,6 +113,32 @@ def register(sub: Any) -> None:
     )
     bench.add_argument(
         "--input-data", type=Path, help="JSON file of requests ({'data': [{INPUT: values}, ...]})"
+    )
+    bench.add_argument(
+        "--input-lines",
+        type=Path,
+        metavar="FILE",
+        help="one request per line: a V2 JSON body, or a text for a model with one BYTES input",
+    )
+    bench.add_argument(
+        "--input-format",
+        choices=["auto", "json", "text"],
+        default="auto",
+        help="how --input-lines is read (default auto: JSON when every line is an object)",
+    )
+    bench.add_argument(
+        "--tokens",
+        default=None,
+        metavar="HOW",
+        help="how requests are sized for tokens/s: auto (the server's /v1/embeddings count, "
+        "else words), server, words, or a tokenizer.json file / model folder "
+        "(default: auto with --input-lines, off otherwise)",
+    )
+    bench.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="truncation in tokens for a --tokens tokenizer (default: its folder's)",
     )
     bench.add_argument(
         "--metrics-url", help="Prometheus endpoint with GPU series (default URL/metrics)"
@@ -221,6 +253,12 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         err.print("gpuserve bench: --batch-size must be >= 1")
         return 2
+    if args.input_lines is not None and args.input_data is not None:
+        err.print("gpuserve bench: give --input-data or --input-lines, not both")
+        return 2
+    if args.input_lines is not None and not args.input_lines.is_file():
+        err.print(f"gpuserve bench: --input-lines {args.input_lines}: no such file", markup=False)
+        return 2
     try:  # before the run: a refused folder must not cost a whole sweep
         out_dir = output_folder(args.output_dir, overwrite=args.overwrite)
     except FileExistsError as error:
@@ -242,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         shapes=shapes,
         input_data=args.input_data,
+        input_lines=args.input_lines,
+        input_format=args.input_format,
+        tokens=args.tokens,
+        max_seq_len=args.max_seq_len,
         metrics_url=args.metrics_url,
         token=args.token,
         ca_file=args.ca_file,
@@ -262,6 +304,8 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"gpuserve bench: {message}; nothing written", markup=False, highlight=False)
         return 1
     Console().print(render_table(result))
+    if result.token_counts is not None:
+        print(f"tokens: {result.token_counts.detail}")
     last = result.levels[-1] if result.levels else None
     if last is not None and last.failing:
         message = describe_failing(last, result.target)

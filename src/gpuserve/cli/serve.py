@@ -45,6 +45,13 @@ SERVE_FIELDS += [  # security and limits
     "max_bytes_element_bytes",
     "http_keep_alive_timeout_s",
 ]
+SERVE_FIELDS += ["allow_client_shm"]  # Triton's shared-memory extension
+SERVE_FIELDS += [  # models' admission steps
+    "admission_workers",
+    "admission_queue",
+    "admission_inline_bytes",
+]
+SERVE_FIELDS += ["malloc_arena_max", "malloc_mmap_threshold_bytes", "memory_trim_interval_s"]
 
 
 def register(sub: Any) -> None:
@@ -91,7 +98,50 @@ def register(sub: Any) -> None:
     _lifecycle_flags(serve)
     _residency_flags(serve)
     _security_flags(serve)
+    _memory_flags(serve)
+    _admission_flags(serve)
     serve.set_defaults(func=run)
+
+
+def _admission_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--admission-workers",
+        type=int,
+        help="threads running models' admission steps (text models count tokens and cut "
+        "long texts there, before batching; default: the CPU count, 1 to 4)",
+    )
+    serve.add_argument(
+        "--admission-queue",
+        type=int,
+        help="most requests waiting for an admission step at once; beyond it 429 (default 1024)",
+    )
+    serve.add_argument(
+        "--admission-inline-bytes",
+        type=int,
+        help="requests whose inputs hold at most this many bytes run their admission step on "
+        "the event loop, at once (default 2048; 0: always the admission threads)",
+    )
+
+
+def _memory_flags(serve: argparse.ArgumentParser) -> None:
+    # flat resident memory under varied shapes (gpuserve.server.memory; README "Memory")
+    serve.add_argument(
+        "--malloc-arena-max",
+        type=int,
+        help="most glibc malloc arenas (default 0: glibc's default, 8 per core)",
+    )
+    serve.add_argument(
+        "--malloc-mmap-threshold-bytes",
+        type=int,
+        help="malloc blocks this large or larger are mapped and unmapped at free (default "
+        "1048576; 0: glibc's dynamic threshold)",
+    )
+    serve.add_argument(
+        "--memory-trim-interval-s",
+        type=float,
+        help="malloc_trim when the server goes quiet, and at most this often while busy, "
+        "seconds (default 30; 0: never)",
+    )
 
 
 def _security_flags(serve: argparse.ArgumentParser) -> None:
@@ -106,6 +156,13 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         help="PEM certificate: serve HTTPS and gRPC over TLS (needs --tls-key-file)",
     )
     serve.add_argument("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    serve.add_argument(
+        "--allow-client-shm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve Triton's system/CUDA shared-memory extension: tensors through regions "
+        "clients register (or GPUSERVE_ALLOW_CLIENT_SHM; default off)",
+    )
     serve.add_argument(
         "--max-header-bytes",
         type=int,
@@ -242,8 +299,15 @@ def run(args: argparse.Namespace) -> int:
     except StartupError as err:
         print(f"gpuserve: {err}", file=sys.stderr)
         return 2
-    from gpuserve.server.runner import GpuServer, configure_logging
+    from gpuserve.server.logs import configure_logging
+    from gpuserve.server.memory import start_memory_care
 
     configure_logging(config.log_level, config.log_format, config.access_log)
-    GpuServer(config).run()
+    memory = start_memory_care(config)  # malloc settings before torch and any thread
+    from gpuserve.server.runner import GpuServer
+
+    try:
+        GpuServer(config).run()
+    finally:
+        memory.stop()
     return 0

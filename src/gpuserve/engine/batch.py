@@ -37,6 +37,9 @@ class Pending:
         priority: Level, 1 = served first.
         queued: True while in the batcher's queue.
         outcome: Set when the request is finished: its response, or the error it failed with.
+        length: Its longest row's length (tokens) from the model's admission step, 0 when the
+            request carries no cost; the batcher groups requests of similar length by it.
+        tokens: Sum of its rows' lengths (0 without a cost).
     """
 
     request: InferenceRequest
@@ -47,6 +50,8 @@ class Pending:
     priority: int = 1
     queued: bool = False
     outcome: InferenceResponse | GpuserveError | None = None
+    length: int = 0
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -59,12 +64,25 @@ class Batch:
         formed_s: When the batch was formed, seconds.
         seq: Dispatch number, set by the scheduling core when the batch goes to an instance
             (unique per core; 0 before dispatch). The core finds its in-flight record by it.
+        tokens: Real tokens of its requests (sum of ``Pending.tokens``; 0 without costs).
+        padded_tokens: Tokens once padded to its longest row, ``rows * max(length)`` (0
+            without costs).
     """
 
     items: list[Pending]
     rows: int
     formed_s: float = 0.0
     seq: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+
+    @classmethod
+    def of(cls, items: list[Pending], formed_s: float) -> Batch:
+        """A batch of ``items`` with its rows and token counts summed from them."""
+        rows = sum(item.rows for item in items)
+        longest = max((item.length for item in items), default=0)
+        tokens = sum(item.tokens for item in items)
+        return cls(items, rows, formed_s, tokens=tokens, padded_tokens=rows * longest)
 
 
 @dataclass(slots=True)

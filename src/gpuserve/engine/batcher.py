@@ -27,6 +27,12 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   and 4, well below batches of 8 on a CPU; with two instances 4 and 4 stays 4 and 4 (the other
   instance's rows are not coming back yet). The window costs at most a tenth of a batch's
   time when nobody comes, and is skipped when it would be shorter than 1 ms (a timer tick).
+* **Length-aware batches**: when requests carry a cost (tokens per row, from their model's
+  admission step), the leader is joined by the compatible requests of the nearest lengths only
+  while the batch stays homogeneous in length and its padded tokens (rows x longest row) fit
+  in ``max_batch_tokens``; a batch that can take no more is sent at once (see
+  :mod:`gpuserve.engine.lengths`). The leader is still the oldest request of the highest level,
+  so a long request never waits behind shorter ones that arrived later.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -38,6 +44,7 @@ from collections import deque
 from collections.abc import Hashable
 
 from gpuserve.engine.batch import Batch, Pending
+from gpuserve.engine.lengths import select_group
 from gpuserve.errors import OverloadedError
 
 __all__ = ["Batch", "DynamicBatcher", "Pending"]  # Batch and Pending live in engine/batch.py
@@ -62,6 +69,10 @@ class DynamicBatcher:
         priority_levels: Number of levels; level 1 is served first.
         early_dispatch: Also send a batch, before the delay runs out, once as many rows are
             queued as the previous batch carried.
+        max_batch_tokens: Most padded tokens (rows x longest row) in a batch of requests that
+            carry costs; None = no token budget (rows only).
+        unpadded: The model runs batches without padding: requests with costs join in
+            arrival order whatever their lengths and the budget counts real tokens.
     """
 
     def __init__(
@@ -72,8 +83,12 @@ class DynamicBatcher:
         max_queue_size: int = 1024,
         priority_levels: int = 1,
         early_dispatch: bool = False,
+        max_batch_tokens: int | None = None,
+        unpadded: bool = False,
     ) -> None:
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.unpadded = unpadded
         self.max_queue_delay_s = max_queue_delay_s
         # Rows cap below max_batch_size, set by an adaptive policy (engine/adaptive.py);
         # a batch dispatches without waiting once it can reach the cap. None = no cap.
@@ -215,6 +230,8 @@ class DynamicBatcher:
         limit = self.max_batch_size
         if self.row_cap is not None:
             limit = max(1, min(limit, self.row_cap))
+        if head.length:
+            return self._next_group(head, limit, now)
         available = self._compatible_rows(head.shape_key, limit)
         regathering = now < self._regather_until
         # the same sum as next_wakeup's, so a timer fired at that time finds the batch due
@@ -237,6 +254,67 @@ class DynamicBatcher:
         self._last_rows = batch.rows
         self._regather_until = float("-inf")  # a window serves one batch
         return batch
+
+    def _next_group(self, head: Pending, limit: int, now: float) -> Batch | None:
+        """:meth:`next_batch` for a leader with a cost: a length-homogeneous group within the
+        token budget. Due on the same signals as a plain batch, with the group's rows."""
+        key = head.shape_key
+        candidates: list[Pending] = []
+        gone: list[Pending] = []
+        available = head.rows
+        for level in self._levels:
+            for item in level:
+                if item is head or item.shape_key != key:
+                    continue
+                if _gone(item):
+                    gone.append(item)
+                    continue
+                candidates.append(item)
+                available += item.rows
+        group = select_group(head, candidates, limit, self.max_batch_tokens, self.unpadded)
+        regathering = now < self._regather_until
+        waited_out = now >= head.arrival_s + self.max_queue_delay_s and not regathering
+        preferred_hit = bool(self.preferred) and group.rows >= self.preferred[0]
+        # as in next_batch: as many rows queued (of any length) as are expected back
+        expected = min(self._regather_rows, limit) if regathering else self._last_rows
+        expected_hit = self.early_dispatch and 0 < expected <= available
+        if gone:
+            self._remove(gone)
+            for item in gone:
+                self._drop(item)
+        if not (waited_out or group.full or preferred_hit or expected_hit):
+            return None
+        items = group.items
+        if not (waited_out or group.full or expected_hit):  # a preferred size was reached
+            target = self._target_rows(group.rows)
+            rows = 0
+            kept: list[Pending] = []
+            for item in items:
+                if rows + item.rows <= target or not kept:
+                    kept.append(item)
+                    rows += item.rows
+            items = kept
+        self._remove(items)
+        rows = 0
+        tokens = 0
+        longest = 0
+        for item in items:
+            self._forget(item)
+            rows += item.rows
+            tokens += item.tokens
+            longest = max(longest, item.length)
+        self._last_rows = rows
+        self._regather_until = float("-inf")
+        padded = tokens if self.unpadded else rows * longest  # what the model computes on
+        return Batch(items, rows, now, tokens=tokens, padded_tokens=padded)
+
+    def _remove(self, items: list[Pending]) -> None:
+        """Take ``items`` (queued) out of their levels' deques; the counts are the caller's."""
+        chosen = {id(item) for item in items}
+        for index in {item.priority - 1 for item in items}:
+            self._levels[index] = deque(
+                item for item in self._levels[index] if id(item) not in chosen
+            )
 
     def instance_freed(self, now: float, service_s: float, rows: int) -> None:
         """An instance finished a batch of ``rows`` rows that took ``service_s`` seconds, at

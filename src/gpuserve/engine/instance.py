@@ -40,7 +40,8 @@ from gpuserve.engine.assembly import (
     split_outputs,
     stack_inputs,
 )
-from gpuserve.engine.batch import Batch, BatchResult
+from gpuserve.engine.batch import Batch, BatchResult, Outputs, Pending
+from gpuserve.engine.padding import PaddingSpec
 from gpuserve.errors import BackendError, GpuserveError, OutOfMemoryError
 
 __all__ = ["BatchResult", "Instance", "resolve_pipeline_depth"]  # BatchResult: engine/batch.py
@@ -75,6 +76,7 @@ class Instance:
         self.capacity = max(1, pipeline_depth)
         self.in_flight = 0  # batches submitted and not yet reported; counted by the scheduling core
         self._outputs = OutputSpec.of(self.config)
+        self._padding = PaddingSpec.of(self.config)
         self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
         self._first: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -180,7 +182,9 @@ class Instance:
         job.started_s = t0 = time.monotonic()
         self._trace.begin("preprocess", job)
         try:
-            inputs = stack_inputs(job.batch.items)
+            padding = self._padding
+            items = job.batch.items
+            inputs = stack_inputs(items) if padding is None else padding.stack(items)
             job.prepared = self.backend.preprocess(inputs)
         except BaseException as err:
             self._fail(job, err)
@@ -259,6 +263,8 @@ class Instance:
                 check_outputs(self._outputs, outputs, job.batch.rows)
                 row_errors = outputs.errors if isinstance(outputs, RowErrors) else None
                 job.results = split_outputs(self._outputs, job.batch.items, outputs, row_errors)
+                if self._padding is not None:
+                    job.results = _unpad(self._padding, job.batch.items, job.results)
             except BaseException as err:
                 self._fail(job, err)
         self._trace.end()
@@ -292,6 +298,16 @@ class Instance:
             exc_info=(type(err), err, err.__traceback__),
         )
         return BackendError(f"model '{self.config.name}' failed: {_describe(err)}")
+
+
+def _unpad(
+    padding: PaddingSpec, items: list[Pending], results: list[Outputs | GpuserveError]
+) -> list[Outputs | GpuserveError]:
+    """Each request's outputs cut back to its own sizes (errors pass through)."""
+    return [
+        result if isinstance(result, GpuserveError) else padding.unpad(item, result)
+        for item, result in zip(items, results, strict=True)
+    ]
 
 
 def resolve_pipeline_depth(config: ModelConfig, device: str) -> int:

@@ -96,6 +96,8 @@ class Outcomes:
                 result.forward_s,
                 result.postprocess_s,
                 result.error is None,
+                batch.tokens,
+                batch.padded_tokens,
             )
         )
 

@@ -13,6 +13,32 @@ from typing import Any
 import numpy as np
 
 
+@dataclass(slots=True, frozen=True)
+class RequestCost:
+    """What one request costs to run, as its model's admission step measured it.
+
+    Filled at admission (before batching) by models that declare an admission step (the
+    built-in text models: tokens per text after truncation); the dynamic batcher groups
+    requests of similar length and bounds a batch's tokens with it.
+
+    Attributes:
+        lengths: Per row, its length in the model's unit (tokens for text models), after any
+            truncation the model applies; one entry per batch row.
+    """
+
+    lengths: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        """Sum of the rows' lengths (the work when execution is unpadded)."""
+        return sum(self.lengths)
+
+    @property
+    def longest(self) -> int:
+        """The longest row (what a padded batch pads every row to), 0 for no rows."""
+        return max(self.lengths, default=0)
+
+
 @dataclass(slots=True, eq=False)
 class InferenceRequest:
     """One validated inference request.
@@ -31,6 +57,8 @@ class InferenceRequest:
         timeout_us: Queue timeout, microseconds; None means the model's default.
         is_cancelled: Optional probe, True once the client has gone away; a queued request
             whose probe says so is dropped instead of run.
+        cost: Lengths per row from the model's admission step, or None when the model
+            declares none (every row then counts as one unit).
     """
 
     model_name: str
@@ -42,6 +70,7 @@ class InferenceRequest:
     priority: int = 0
     timeout_us: int | None = None
     is_cancelled: Callable[[], bool] | None = None
+    cost: RequestCost | None = None
 
 
 @dataclass(slots=True)

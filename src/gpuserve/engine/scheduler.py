@@ -75,6 +75,7 @@ class ModelScheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._held = 0  # work outside the core (decoupled streams) that a drain waits for
 
     def attach(
         self,
@@ -91,7 +92,9 @@ class ModelScheduler:
         self._loop = loop
         self._new_future = loop.create_future
         self._respawn = respawn
-        self.core.attach(instances)
+        on_gpu = any(_on_gpu(instance) for instance in instances)
+        unpadded = bool(instances) and all(_unpadded(instance) for instance in instances)
+        self.core.attach(instances, on_gpu=on_gpu, unpadded=unpadded)
 
     @property
     def instances(self) -> list[Instance]:
@@ -126,8 +129,10 @@ class ModelScheduler:
     # -- admission -------------------------------------------------------------------------
 
     def shape_key(self, request: InferenceRequest) -> ShapeKey:
-        """Non-batch shapes of the inputs: only requests with equal keys share a batch."""
-        return shape_key(request)
+        """Non-batch shapes of the inputs (padded dimensions as -1): only requests with equal
+        keys share a batch."""
+        padding = self.core.padding
+        return shape_key(request) if padding is None else padding.key(request)
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request``, wait for its batch to run, and return its own rows. Cancelling
@@ -239,7 +244,19 @@ class ModelScheduler:
                 future.set_result(outcome)
             elif outcome is not None:
                 future.set_exception(outcome)
-        if not self.core.in_flight_requests:
+        if not self.core.in_flight_requests and not self._held:
+            self._idle.set()
+
+    def hold(self) -> None:
+        """Count one piece of work that runs outside the scheduling core (a decoupled
+        stream on an instance): :meth:`close` waits for it as for a queued request."""
+        self._held += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        """The work of one :meth:`hold` ended."""
+        self._held = max(0, self._held - 1)
+        if not self._held and not self.core.in_flight_requests:
             self._idle.set()
 
     # -- shutdown --------------------------------------------------------------------------
@@ -259,3 +276,14 @@ class ModelScheduler:
         loop = asyncio.get_running_loop()
         for instance in self.core.instances:
             await loop.run_in_executor(None, instance.stop)
+
+
+def _on_gpu(instance: Instance) -> bool:
+    """Whether ``instance`` runs on a CUDA device (False for a stand-in without a context)."""
+    context = getattr(instance, "context", None)
+    return context is not None and context.device.startswith("cuda")
+
+
+def _unpadded(instance: Instance) -> bool:
+    """Whether ``instance``'s backend runs variable-length batches without padding."""
+    return bool(getattr(getattr(instance, "backend", None), "unpadded_batches", False))

@@ -47,8 +47,11 @@ from gpuserve.engine.assembly import request_rows, shape_key
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.batcher import DynamicBatcher
 from gpuserve.engine.inflight import InFlight, InFlightTable, W, Worker
+from gpuserve.engine.lengths import default_batch_tokens
 from gpuserve.engine.outcomes import Completion, Hung, Outcomes, Schedule
+from gpuserve.engine.padding import PaddingSpec
 from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.sequence import SequenceBatcher
 from gpuserve.engine.stats import ModelStats
 from gpuserve.errors import (
     BackendError,
@@ -84,7 +87,8 @@ class SchedulerCore(Generic[W]):
 
     Attributes:
         stats: Statistics of this version, recorded as requests and batches finish.
-        batcher: The queue and batch-formation policy.
+        batcher: The queue and batch-formation policy (a :class:`SequenceBatcher` for a
+            model with ``sequence_batching``: its batches go to the instance of their lane).
         adaptive: The adaptive batching policy, when configured.
         instances: The instances batches may go to (least busy first).
         in_flight_requests: Requests admitted and not yet finished (queued, retrying or
@@ -105,7 +109,10 @@ class SchedulerCore(Generic[W]):
             max_queue_size=db.max_queue_size,
             priority_levels=db.priority_levels,
             early_dispatch=db.early_dispatch,
+            max_batch_tokens=db.max_batch_tokens,
         )
+        if config.sequence_batching is not None:  # a stateful model (engine/sequence.py)
+            self.batcher = SequenceBatcher(config, lambda: self.instances)
         self.adaptive = (
             AdaptiveBatching(
                 db.adaptive.target_p99_ms / 1e3, config.max_batch_size, db.max_queue_delay_us / 1e6
@@ -121,6 +128,8 @@ class SchedulerCore(Generic[W]):
         #: Seconds a batch may run before its instance counts as hung; None = no watchdog.
         self.execution_timeout_s: float | None = config.execution_timeout_s or None
         self._batched = config.max_batch_size > 0
+        #: How variable-length inputs are padded into one batch (None: they are not).
+        self.padding = PaddingSpec.of(config)
         self._priority_levels = db.priority_levels
         self._default_priority = db.default_priority_level
         self._default_timeout_us = db.default_timeout_us
@@ -130,9 +139,20 @@ class SchedulerCore(Generic[W]):
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def attach(self, instances: list[W]) -> None:
-        """Take ``instances`` (the list itself is kept) and start accepting requests."""
+    def attach(self, instances: list[W], on_gpu: bool = False, unpadded: bool = False) -> None:
+        """Take ``instances`` (the list itself is kept) and start accepting requests.
+
+        Args:
+            on_gpu: Whether any instance runs on a GPU; sets the default token budget of
+                length-aware batches (``max_batch_tokens`` unset in the config).
+            unpadded: Whether the instances run batches without padding (packed
+                sequences): batches then need no length grouping and the budget counts
+                real tokens.
+        """
         self.instances = instances
+        if self.config.dynamic_batching.max_batch_tokens is None:
+            self.batcher.max_batch_tokens = default_batch_tokens(on_gpu)
+        self.batcher.unpadded = unpadded
         self.accepting = True
 
     def add_instance(self, instance: W) -> None:
@@ -182,17 +202,24 @@ class SchedulerCore(Generic[W]):
             )
         timeout_us = request.timeout_us or self._default_timeout_us
         rows = request_rows(request, self._batched)
+        padding = self.padding
         item = Pending(
             request,
             rows,
-            shape_key(request),
+            shape_key(request) if padding is None else padding.key(request),
             now,
             now + timeout_us / 1e6 if timeout_us else None,
             priority,
         )
+        cost = request.cost
+        if cost is None and padding is not None:
+            cost = request.cost = padding.cost(request, rows)
+        if cost is not None and cost.lengths:
+            item.length = max(1, cost.longest)
+            item.tokens = cost.tokens
         try:
             self.batcher.add(item)
-        except OverloadedError as err:
+        except (OverloadedError, InvalidInputError) as err:  # invalid: sequence flags
             self._outcomes.refused(err, rows)
             raise
         self.in_flight_requests += 1
@@ -249,6 +276,9 @@ class SchedulerCore(Generic[W]):
                 if formed is None:
                     break
                 batch = formed
+                pinned = getattr(formed, "instance", None)  # a sequence batch's own instance
+                if pinned is not None:
+                    instance = pinned
             dispatched.append(self._in_flight.add(instance, batch, now))
             if not (retry or len(batcher)):
                 break
@@ -308,6 +338,8 @@ class SchedulerCore(Generic[W]):
         if self.adaptive is not None and error is None:
             self.adaptive.observe(batch, service_s)
         self.batcher.instance_freed(now, service_s, batch.rows)
+        if isinstance(self.batcher, SequenceBatcher):
+            self.batcher.ran(result, now)  # keeps state outputs, settles the sequences
         items = batch.items
         if error is not None:
             if result.retryable and len(items) > 1:
@@ -330,10 +362,7 @@ class SchedulerCore(Generic[W]):
             error.message,
         )
         middle = len(batch.items) // 2
-        halves = [
-            Batch(part, sum(item.rows for item in part), now)
-            for part in (batch.items[:middle], batch.items[middle:])
-        ]
+        halves = [Batch.of(part, now) for part in (batch.items[:middle], batch.items[middle:])]
         self._retry.extend(halves)
         return halves
 

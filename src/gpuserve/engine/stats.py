@@ -40,6 +40,8 @@ class BatchStats:
         requests: Requests in the batch.
         preprocess_s / forward_s / postprocess_s: Stage durations, seconds.
         ok: False when the batch as a whole failed (its requests may be retried in halves).
+        tokens: Real tokens of its requests (0 when they carry no cost).
+        padded_tokens: Tokens once padded to its longest row (0 when they carry no cost).
     """
 
     model: str
@@ -50,6 +52,8 @@ class BatchStats:
     forward_s: float
     postprocess_s: float
     ok: bool
+    tokens: int = 0
+    padded_tokens: int = 0
 
 
 @dataclass(slots=True)

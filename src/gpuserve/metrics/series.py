@@ -17,6 +17,10 @@ gpuserve_request_duration_seconds           histogram  successful requests, admi
 gpuserve_queue_duration_seconds             histogram  successful requests, time queued
 gpuserve_compute_duration_seconds{stage}    histogram  per batch: preprocess|forward|postprocess
 gpuserve_batch_size                         histogram  rows per executed batch
+gpuserve_batch_tokens                       histogram  real tokens per executed batch (models
+                                                       whose requests carry a cost: text)
+gpuserve_batch_padding_ratio                histogram  padded tokens / real tokens per batch
+                                                       (1 = no padding)
 gpuserve_queue_depth                        gauge      requests waiting in the queue (scrape time)
 gpuserve_inflight_requests                  gauge      requests admitted, not yet answered
 ==========================================  =========  ====================================
@@ -110,6 +114,10 @@ LATENCY_BUCKETS_S = (
 
 #: Batch-size buckets, rows: 1, 2, 4, ..., 4096.
 BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(13))
+#: Tokens-per-batch buckets: 16, 32, ..., 131072.
+BATCH_TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 18))
+#: Padding-ratio buckets (padded / real tokens).
+PADDING_RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0)
 
 _MV = ("model", "version")
 STAGES = ("preprocess", "forward", "postprocess")
@@ -121,9 +129,11 @@ class _VersionSeries:
 
     __slots__ = (
         "batch_size",
+        "batch_tokens",
         "batches",
         "failures",
         "owner",
+        "padding",
         "queue",
         "request",
         "rows",
@@ -144,6 +154,8 @@ class _VersionSeries:
         self.queue = owner.queue_duration.labels(model, version)
         self.stages = tuple(owner.compute_duration.labels(model, version, s) for s in STAGES)
         self.batch_size = owner.batch_size.labels(model, version)
+        self.batch_tokens = owner.batch_tokens.labels(model, version)
+        self.padding = owner.padding_ratio.labels(model, version)
 
     def failure(self, model: str, version: str, reason: str) -> Any:
         child = self.failures.get(reason)
@@ -228,6 +240,22 @@ class ServerMetrics:
             buckets=BATCH_SIZE_BUCKETS,
             registry=r,
         )
+        self.batch_tokens = Histogram(
+            "gpuserve_batch_tokens",
+            "Real tokens per executed batch, for models whose requests carry a cost (text "
+            "models: tokens after truncation).",
+            _MV,
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.padding_ratio = Histogram(
+            "gpuserve_batch_padding_ratio",
+            "Padded tokens (rows x longest row) / real tokens per executed batch, for models "
+            "whose requests carry a cost; 1 means no padding.",
+            _MV,
+            buckets=PADDING_RATIO_BUCKETS,
+            registry=r,
+        )
         Gauge(
             "gpuserve_build_info", "gpuserve version (value is always 1).", ["version"], registry=r
         ).labels(gpuserve.__version__).set(1)
@@ -288,6 +316,9 @@ class ServerMetrics:
             return
         series.batches.inc()
         series.batch_size.observe(event.batch_size)
+        if event.tokens:
+            series.batch_tokens.observe(event.tokens)
+            series.padding.observe(event.padded_tokens / event.tokens)
         pre, fwd, post = series.stages
         pre.observe(event.preprocess_s)
         fwd.observe(event.forward_s)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +174,18 @@ class BertLayer(nn.Module):
         self.ffn_out = nn.Linear(inner, hidden, device=device)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, device=device)
 
+    def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """x: [T, H], the real tokens of every sequence back to back -> [T, H].
+
+        Projections and the feed-forward block run on real tokens only; attention runs per
+        sequence (see :func:`packed_attention`).
+        """
+        tokens, hidden = x.shape
+        qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_size)
+        ctx = packed_attention(qkv, packing).reshape(tokens, hidden)
+        x = self.attn_norm(x + self.attn_out(ctx))
+        return self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
         """x: [B, L, H]; attn_bias: additive [B, 1, 1, L] in x's dtype, or None -> [B, L, H]."""
         batch, seq_len, hidden = x.shape
@@ -239,6 +251,113 @@ class BertEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, attn_bias)
         return x
+
+    def forward_packed(self, input_ids: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Encode sequences packed back to back, without padding (segment 0 everywhere).
+
+        Args:
+            input_ids: int64 [T], the tokens of every sequence in order, on the module's
+                device; each sequence at most ``max_position_embeddings`` long.
+            packing: Where each sequence lies (:meth:`Packing.of`).
+
+        Returns:
+            last_hidden_state of the real tokens: [T, H] in the parameters' dtype; pool with
+            :func:`mean_pool_packed`. Equal to :meth:`forward` on the padded batch at the
+            real positions (up to floating-point reassociation).
+
+        Raises:
+            ValueError: a sequence exceeds ``max_position_embeddings`` or is empty.
+        """
+        limit = self.config.max_position_embeddings
+        if packing.lengths and (max(packing.lengths) > limit or min(packing.lengths) < 1):
+            raise ValueError(
+                f"packed sequence lengths must be in [1, {limit}], got "
+                f"{min(packing.lengths)}..{max(packing.lengths)}"
+            )
+        emb = self.embeddings
+        x = emb.word_embeddings(input_ids) + emb.token_type_embeddings.weight[0]
+        x = emb.layer_norm(x + emb.position_embeddings(packing.positions))
+        for layer in self.layers:
+            x = cast(BertLayer, layer).forward_packed(x, packing)
+        return x
+
+
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """Where each sequence lies in a packed (unpadded) batch of T tokens.
+
+    Attributes:
+        offsets: int64 [B + 1], on the tokens' device: sequence ``i`` is tokens
+            ``offsets[i]:offsets[i+1]``.
+        lengths: The B sequence lengths, tokens, on the host (for slicing without a sync).
+        positions: int64 [T], each token's position within its sequence.
+    """
+
+    offsets: torch.Tensor
+    lengths: tuple[int, ...]
+    positions: torch.Tensor
+
+    @classmethod
+    def of(cls, lengths: list[int] | tuple[int, ...], device: torch.device | str) -> Packing:
+        """The packing of sequences of ``lengths`` tokens (each >= 1)."""
+        sizes = torch.tensor(list(lengths), dtype=torch.int64)
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        torch.cumsum(sizes, 0, out=offsets[1:])
+        starts = torch.repeat_interleave(offsets[:-1], sizes)
+        positions = torch.arange(int(offsets[-1]), dtype=torch.int64) - starts
+        return cls(offsets.to(device), tuple(int(n) for n in lengths), positions.to(device))
+
+
+def packed_attention(qkv: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Self-attention of each sequence over its own tokens, without padding.
+
+    Args:
+        qkv: [T, 3, heads, head_size], the fused projections of the packed tokens.
+        packing: Where the sequences lie.
+
+    Returns:
+        [T, heads, head_size]. On CUDA, one ``scaled_dot_product_attention`` call over jagged
+        nested tensors (flash / memory-efficient varlen kernels); elsewhere (no CPU kernel
+        takes jagged tensors) one call per sequence on its slice.
+    """
+    if qkv.device.type == "cuda":
+        offsets = packing.offsets
+        q, k, v = (
+            torch.nested.nested_tensor_from_jagged(qkv[:, i], offsets).transpose(1, 2)
+            for i in range(3)
+        )
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
+    parts = []
+    start = 0
+    for length in packing.lengths:
+        # [L, 3, heads, d] -> q, k, v [heads, L, d]
+        q, k, v = qkv[start : start + length].permute(1, 2, 0, 3).unbind(0)
+        parts.append(F.scaled_dot_product_attention(q, k, v).transpose(0, 1))
+        start += length
+    return torch.cat(parts, dim=0)
+
+
+def mean_pool_packed(hidden: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Sentence embeddings of a packed batch: per-sequence mean, then L2 norm.
+
+    Args:
+        hidden: [T, H], any float dtype (pooling runs in float32).
+        packing: Where the sequences lie.
+
+    Returns:
+        float32 [B, H], unit L2 norm per row, on ``hidden``'s device.
+    """
+    hidden = hidden.float()
+    batch = len(packing.lengths)
+    lengths = torch.tensor(packing.lengths, dtype=torch.float32).to(hidden.device)
+    index = torch.repeat_interleave(
+        torch.arange(batch, device=hidden.device),
+        lengths.to(torch.int64),
+        output_size=hidden.shape[0],
+    )
+    summed = torch.zeros(batch, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    summed.index_add_(0, index, hidden)
+    return F.normalize(summed / lengths[:, None], p=2, dim=1)
 
 
 def _attention_bias(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ import torch
 import yaml
 from torch import nn
 
-from gpuserve.backends.base import LoadContext
+from gpuserve.backends.base import Admitted, LoadContext
 from gpuserve.backends.python import PythonModel
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.errors import BackendError, ConfigError
@@ -53,6 +54,7 @@ from gpuserve.models.sentence_embedding import (
     decode_texts,
     load_tokenizer,
 )
+from gpuserve.models.text_truncation import PrefixTruncator, admit_texts, bounded_texts
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +270,7 @@ class OnnxTextEmbedding(PythonModel):
         config = context.config
         max_seq_len = int({**config.parameters, **context.parameters}.get("max_seq_len", 256))
         self.tokenizer = load_tokenizer(context.version_path, max_seq_len)
+        self.truncator = PrefixTruncator(self.tokenizer, max_seq_len)  # its own copy
         self.text_input = config.inputs[0].name
         self.output = config.outputs[0].name
         width = config.outputs[0].shape
@@ -298,9 +301,19 @@ class OnnxTextEmbedding(PythonModel):
         text = np.array([[b"gpuserve warms up the ONNX text embedding model."]], dtype=object)
         self.postprocess(self.forward(self.preprocess({self.text_input: text})))
 
+    def admit(self, inputs: dict[str, np.ndarray]) -> Admitted:
+        """Admission step (admission threads): tokens per row, long texts cut before
+        tokenisation, as ``text_embedding`` does (:mod:`gpuserve.models.text_truncation`)."""
+        return admit_texts(self.truncator, inputs, self.text_input)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text after truncation (``usage`` of ``/v1/embeddings``); thread-safe."""
+        return [row.tokens for row in self.truncator.measure(list(texts))]
+
     def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
         """TEXT BYTES [B, 1] -> token ids and mask int64 [B, L] (on the device when bound)."""
-        encodings = self.tokenizer.encode_batch_fast(decode_texts(inputs[self.text_input]))
+        texts = bounded_texts(self.truncator, decode_texts(inputs[self.text_input]))
+        encodings = self.tokenizer.encode_batch_fast(texts)
         ids = np.array([e.ids for e in encodings], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
         return self.graph.preprocess({"input_ids": ids, "attention_mask": mask})

@@ -23,8 +23,13 @@ Policies (those of Triton where Triton has one):
   against their range. FP16 has no typed field: it travels in ``raw_input_contents`` only.
 * Request parameters: ``priority`` (1 = highest) and ``timeout`` (queue timeout,
   microseconds; 0 = the model's default), as non-negative integers; others are kept in
-  :attr:`InferenceRequest.parameters` and otherwise ignored. Shared-memory and
-  classification parameters are refused (not supported).
+  :attr:`InferenceRequest.parameters` and otherwise ignored.
+* Triton's shared-memory and classification extensions, as over HTTP
+  (:mod:`gpuserve.protocol.extension_params`): an input with ``shared_memory_region`` is read
+  from the region and has no ``raw_input_contents`` entry (as ``tritonclient`` sends it); an
+  output with it is written there and its ``raw_output_contents`` entry stays empty (one entry
+  per output, as Triton answers); ``classification: k`` answers BYTES
+  ``"score:index[:label]"`` strings.
 """
 
 from __future__ import annotations
@@ -36,8 +41,13 @@ import numpy as np
 from gpuserve.datatypes import NUMPY_DTYPES
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import InvalidInputError
-from gpuserve.protocol.binary import bytes_elements, serialize_bytes
-from gpuserve.protocol.http_codec import _fixed_size_output, declared_output
+from gpuserve.protocol.extension_params import SHM_KEYS, SharedMemoryReader, shm_ref
+from gpuserve.protocol.outputs import (
+    OutputOptions,
+    output_datatype,
+    output_extensions,
+    output_payload,
+)
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.shapes import (
     check_datatype,
@@ -73,11 +83,11 @@ CONTENTS_FIELD: dict[str, str] = {
 }
 _FIELDS = tuple(dict.fromkeys(CONTENTS_FIELD.values()))
 #: Datatypes narrower than their contents field: values are range-checked.
+_NO_OPTIONS = OutputOptions({})
 _NARROW = {
     name: (int(np.iinfo(NUMPY_DTYPES[name]).min), int(np.iinfo(NUMPY_DTYPES[name]).max))
     for name in ("INT8", "INT16", "UINT8", "UINT16")
 }
-_UNSUPPORTED_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
 
 def parameter_value(param: pb.InferParameter) -> Any:
@@ -95,12 +105,6 @@ def _spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
 
 def _names(specs: list[TensorSpec]) -> str:
     return ", ".join(repr(spec.name) for spec in specs)
-
-
-def _reject_unsupported(params: Any, where: str) -> None:
-    for key in _UNSUPPORTED_PARAMS:
-        if key in params:
-            raise InvalidInputError(f"{where}: parameter {key!r}: shared memory is not supported")
 
 
 def _non_negative_int(params: dict[str, Any], key: str) -> int | None:
@@ -191,24 +195,28 @@ def array_from_contents(
         ) from None
 
 
-def _decode_outputs(outputs: Any, config: ModelConfig, model_name: str) -> list[str] | None:
+def _decode_outputs(
+    outputs: Any,
+    config: ModelConfig,
+    model_name: str,
+    options: OutputOptions,
+    shm: SharedMemoryReader | None,
+) -> list[str] | None:
     names: list[str] = []
     for item in outputs:
         name = item.name
-        if _spec(config.outputs, name) is None:
+        spec = _spec(config.outputs, name)
+        if spec is None:
             raise InvalidInputError(
                 f"output {name!r} is not an output of model {model_name!r}; its outputs "
                 f"are {_names(config.outputs)}"
             )
         if name in names:
             raise InvalidInputError(f"output {name!r} is requested more than once")
-        params = item.parameters
-        if params:
-            _reject_unsupported(params, f"output {name!r}")
-            if "classification" in params:
-                raise InvalidInputError(
-                    f"output {name!r}: parameter 'classification' is not supported"
-                )
+        if item.parameters:
+            params = {key: parameter_value(value) for key, value in item.parameters.items()}
+            binary = params.get("binary_data")
+            output_extensions(params, spec, binary if type(binary) is bool else None, options, shm)
         names.append(name)
     return names or None
 
@@ -219,6 +227,8 @@ def decode_infer_request(
     model_name: str,
     model_version: str | None,
     limits: RequestLimits | None = None,
+    shm: SharedMemoryReader | None = None,
+    options: OutputOptions | None = None,
 ) -> InferenceRequest:
     """Validate a ``ModelInferRequest`` and build the engine's request.
 
@@ -228,10 +238,13 @@ def decode_infer_request(
         model_name: Target model.
         model_version: Target version, or None for the default version.
         limits: Server-wide tensor limits (see :mod:`gpuserve.protocol.limits`); None: none.
+        shm: Registered client shared-memory regions; None: shared-memory parameters are
+            refused.
+        options: Filled with the outputs' shared-memory targets and classification counts.
 
     Returns:
         The request; raw fixed-size inputs are zero-copy, read-only views of the message's
-        ``raw_input_contents`` bytes.
+        ``raw_input_contents`` bytes (shared-memory ones: of the region).
 
     Raises:
         InvalidInputError: anything wrong with the request; the message names the field, the
@@ -243,13 +256,17 @@ def decode_infer_request(
             f"'inputs' is empty; model {model_name!r} expects {_names(config.inputs)}"
         )
     raw = message.raw_input_contents
-    if raw and len(raw) != len(inputs):
+    # inputs whose data travel in the message (not those naming a shared-memory region)
+    in_message = len(inputs) - sum(1 for t in inputs if SHM_KEYS[0] in t.parameters)
+    if raw and len(raw) != in_message:
         raise InvalidInputError(
-            f"raw_input_contents has {len(raw)} entries for {len(inputs)} inputs; when it is "
-            f"used it must hold one entry per input, in the order of 'inputs'"
+            f"raw_input_contents has {len(raw)} entries for {in_message} inputs; when it is "
+            f"used it must hold one entry per input (but those in shared memory), in the "
+            f"order of 'inputs'"
         )
     arrays: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(inputs):
+    index = -1  # of the input's entry in raw_input_contents
+    for tensor in inputs:
         name = tensor.name
         spec = _spec(config.inputs, name)
         if spec is None:
@@ -259,10 +276,30 @@ def decode_infer_request(
             )
         if name in arrays:
             raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")
-        if tensor.parameters:
-            _reject_unsupported(tensor.parameters, f"input {name!r}")
         datatype = tensor.datatype or None
         shape = list(tensor.shape)
+        if tensor.parameters:
+            params = {key: parameter_value(value) for key, value in tensor.parameters.items()}
+            ref = shm_ref(params, f"input {name!r}", shm)
+            if ref is not None:
+                if tensor.HasField("contents") and _used_fields(tensor.contents):
+                    raise InvalidInputError(
+                        f"input {name!r} has 'shared_memory_region' and also data in the "
+                        f"message; send one"
+                    )
+                assert shm is not None
+                arrays[name] = build_input(
+                    spec,
+                    name,
+                    datatype,
+                    shape,
+                    raw=shm.view(ref.region, ref.offset, ref.byte_size).toreadonly(),
+                    config=config,
+                    size_label="shared_memory_byte_size",
+                    limits=limits,
+                )
+                continue
+        index += 1
         if raw:
             if tensor.HasField("contents") and _used_fields(tensor.contents):
                 raise InvalidInputError(
@@ -299,7 +336,13 @@ def decode_infer_request(
         model_name=model_name,
         model_version=model_version,
         inputs=arrays,
-        requested_outputs=_decode_outputs(message.outputs, config, model_name),
+        requested_outputs=_decode_outputs(
+            message.outputs,
+            config,
+            model_name,
+            OutputOptions({}) if options is None else options,
+            shm,
+        ),
         id=message.id or None,
         parameters=params,
         priority=priority,
@@ -314,13 +357,26 @@ class GrpcInferMessage:
     Args:
         message: The request as received.
         limits: Server-wide tensor limits; None: none.
+        shm: The registered client shared-memory regions; None: shared-memory parameters
+            are refused.
+
+    Attributes:
+        output_options: The outputs' shared-memory targets and classification counts, set
+            by :meth:`decode` (pass it to :func:`encode_infer_response`).
     """
 
-    __slots__ = ("limits", "message")
+    __slots__ = ("limits", "message", "output_options", "shm")
 
-    def __init__(self, message: pb.ModelInferRequest, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self,
+        message: pb.ModelInferRequest,
+        limits: RequestLimits | None = None,
+        shm: SharedMemoryReader | None = None,
+    ) -> None:
         self.message = message
         self.limits = limits
+        self.shm = shm
+        self.output_options = OutputOptions({})
 
     def request_id(self) -> str | None:
         """The request's ``id``, or None when empty."""
@@ -345,33 +401,52 @@ class GrpcInferMessage:
         Raises:
             InvalidInputError: see :func:`decode_infer_request`.
         """
-        return decode_infer_request(self.message, config, model_name, model_version, self.limits)
+        self.output_options = OutputOptions({})
+        return decode_infer_request(
+            self.message,
+            config,
+            model_name,
+            model_version,
+            self.limits,
+            self.shm,
+            self.output_options,
+        )
 
 
 def encode_infer_response(
-    response: InferenceResponse, config: ModelConfig
+    response: InferenceResponse, config: ModelConfig, options: OutputOptions | None = None
 ) -> pb.ModelInferResponse:
-    """Encode the engine's response; every output goes in ``raw_output_contents``.
+    """Encode the engine's response; every output goes in ``raw_output_contents`` (an
+    empty entry for one written to shared memory).
 
     Args:
         response: The engine's result; outputs are encoded in its dict order.
         config: The model's configuration (declared output datatypes).
+        options: :attr:`GrpcInferMessage.output_options` (shared-memory targets, outputs
+            answered as classes); None: none.
 
     Raises:
         BackendError: an output the model does not declare, a dtype that cannot be cast to
             the declared datatype, or a BYTES output that is not bytes/str.
+        InvalidInputError: an output larger than the shared memory the request gave it.
     """
+    if options is None:
+        options = _NO_OPTIONS
     tensors: list[pb.ModelInferResponse.InferOutputTensor] = []
     payloads: list[bytes] = []
     for name, array in response.outputs.items():
-        datatype = declared_output(config, name, array).datatype
-        if datatype == "BYTES":
-            payloads.append(serialize_bytes(bytes_elements(array, name), name))
-        else:
-            payloads.append(_fixed_size_output(array, datatype, name).tobytes())
-        tensors.append(
-            pb.ModelInferResponse.InferOutputTensor(name=name, datatype=datatype, shape=array.shape)
+        datatype = output_datatype(config, name, array, options)
+        payload = output_payload(array, datatype, name)
+        tensor = pb.ModelInferResponse.InferOutputTensor(
+            name=name, datatype=datatype, shape=array.shape
         )
+        target = options.shm.get(name)
+        if target is not None:
+            target.write(name, payload)
+            payloads.append(b"")  # as Triton: one (empty) entry per output
+        else:
+            payloads.append(payload if isinstance(payload, bytes) else payload.tobytes())
+        tensors.append(tensor)
     return pb.ModelInferResponse(
         model_name=response.model_name,
         model_version=response.model_version,

@@ -16,7 +16,12 @@ Policies (see also :mod:`gpuserve.protocol.tensors`):
 * A repeated output name is refused, like a repeated input name.
 * ``parameters.timeout`` is Triton's queue timeout in microseconds; 0 means "the model's
   default" (as in Triton), so it maps to ``timeout_us = None``.
-* Shared-memory and classification parameters are refused (not supported).
+* Triton's shared-memory and classification extensions (see
+  :mod:`gpuserve.protocol.extension_params`): an input with ``shared_memory_region`` is read
+  from that registered region (zero-copy for fixed-size types); an output with it is written
+  there, and its JSON entry has name, datatype and shape only, as Triton's; an output with
+  ``classification: k`` answers BYTES ``"score:index[:label]"`` strings, ``[rows, k]``.
+  Shared-memory parameters are refused when the server does not allow client shared memory.
 * Response casting: an output array whose dtype differs from the declared datatype is cast
   when numpy's ``same_kind`` rule allows it (float64 -> FP32, int64 -> INT32, bool -> any);
   otherwise (float -> INT64, numbers -> BYTES, ...) the model is at fault: BackendError.
@@ -34,11 +39,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from gpuserve.datatypes import NUMPY_DTYPES
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
-from gpuserve.errors import BackendError, InvalidInputError
-from gpuserve.protocol.binary import bytes_as_text, bytes_elements, serialize_bytes
+from gpuserve.errors import InvalidInputError
+from gpuserve.protocol.binary import bytes_as_text
+from gpuserve.protocol.extension_params import BYTE_SIZE, SharedMemoryReader, shm_ref
 from gpuserve.protocol.json_header import parse_json_header
+from gpuserve.protocol.outputs import CLASSIFIABLE as CLASSIFIABLE
+from gpuserve.protocol.outputs import OutputOptions as OutputOptions
+from gpuserve.protocol.outputs import _fixed_size_output as _fixed_size_output
+from gpuserve.protocol.outputs import declared_output as declared_output
+from gpuserve.protocol.outputs import (
+    output_datatype,
+    output_extensions,
+    output_payload,
+)
 from gpuserve.protocol.shapes import json_type, show, validate_request_shapes
 from gpuserve.protocol.tensors import build_input
 
@@ -49,26 +63,6 @@ if TYPE_CHECKING:
 HEADER_LENGTH_HEADER = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"
 BINARY_CONTENT_TYPE = "application/octet-stream"
-_UNSUPPORTED_PARAMS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-
-
-@dataclass(slots=True)
-class OutputOptions:
-    """How each output goes back on the wire.
-
-    Attributes:
-        binary: Output name -> explicit ``parameters.binary_data`` of that requested output
-            (outputs that did not set it are absent).
-        default_binary: The request parameter ``binary_data_output`` (default False); used
-            for every output not in ``binary``.
-    """
-
-    binary: dict[str, bool]
-    default_binary: bool = False
-
-    def is_binary(self, name: str) -> bool:
-        """Whether output ``name`` is sent as raw bytes after the JSON."""
-        return self.binary.get(name, self.default_binary)
 
 
 @dataclass(slots=True)
@@ -141,23 +135,21 @@ def _non_negative_int(params: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _reject_unsupported(params: dict[str, Any], where: str) -> None:
-    for key in _UNSUPPORTED_PARAMS:
-        if key in params:
-            raise InvalidInputError(f"{where}: parameter {key!r}: shared memory is not supported")
-
-
 def _decode_outputs(
-    outputs: Any, config: ModelConfig, model_name: str
-) -> tuple[list[str] | None, dict[str, bool]]:
+    outputs: Any,
+    config: ModelConfig,
+    model_name: str,
+    options: OutputOptions,
+    shm: SharedMemoryReader | None,
+) -> list[str] | None:
     if outputs is None:
-        return None, {}
+        return None
     if type(outputs) is not list:
         raise InvalidInputError(
             f"'outputs' must be a JSON array of output objects, got {json_type(outputs)}"
         )
     names: list[str] = []
-    binary: dict[str, bool] = {}
+    binary = options.binary
     for index, item in enumerate(outputs):
         if type(item) is not dict:
             raise InvalidInputError(
@@ -168,7 +160,8 @@ def _decode_outputs(
             raise InvalidInputError(
                 f"outputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
             )
-        if _spec(config.outputs, name) is None:
+        spec = _spec(config.outputs, name)
+        if spec is None:
             raise InvalidInputError(
                 f"output {name!r} is not an output of model {model_name!r}; its outputs "
                 f"are {_names(config.outputs)}"
@@ -183,9 +176,6 @@ def _decode_outputs(
             raise InvalidInputError(
                 f"output {name!r}: 'parameters' must be a JSON object, got {json_type(params)}"
             )
-        _reject_unsupported(params, f"output {name!r}")
-        if "classification" in params:
-            raise InvalidInputError(f"output {name!r}: parameter 'classification' is not supported")
         flag = params.get("binary_data")
         if flag is not None:
             if type(flag) is not bool:
@@ -194,7 +184,8 @@ def _decode_outputs(
                     f"got {show(flag)}"
                 )
             binary[name] = flag
-    return (names or None), binary
+        output_extensions(params, spec, flag, options, shm)
+    return names or None
 
 
 class HttpInferBody:
@@ -210,22 +201,34 @@ class HttpInferBody:
         header_length: The ``Inference-Header-Content-Length`` header's value as sent, or
             None when absent (parsed lazily, so a bad value fails like a bad body).
         limits: Server-wide tensor limits; None: none.
+        shm: The registered client shared-memory regions; None: shared-memory parameters
+            are refused.
 
     Attributes:
         output_options: How each output goes back, set by :meth:`decode`.
     """
 
-    __slots__ = ("_binary", "_body", "_document", "_header_value", "_limits", "output_options")
+    __slots__ = (
+        "_binary",
+        "_body",
+        "_document",
+        "_header_value",
+        "_limits",
+        "_shm",
+        "output_options",
+    )
 
     def __init__(
         self,
         body: bytes | bytearray,
         header_length: str | None,
         limits: RequestLimits | None = None,
+        shm: SharedMemoryReader | None = None,
     ) -> None:
         self._body = body
         self._header_value = header_length
         self._limits = limits
+        self._shm = shm
         self._document: dict[str, Any] | None = None
         self._binary: memoryview | None = None
         self.output_options = OutputOptions({})
@@ -265,7 +268,13 @@ class HttpInferBody:
             InvalidInputError: see :func:`decode_infer_request`.
         """
         decoded = _decode_document(
-            self._parsed(), self._binary, config, model_name, model_version, self._limits
+            self._parsed(),
+            self._binary,
+            config,
+            model_name,
+            model_version,
+            self._limits,
+            self._shm,
         )
         self.output_options = decoded.output_options
         return decoded.request
@@ -302,6 +311,7 @@ def decode_infer_request(
     model_name: str,
     model_version: str | None,
     limits: RequestLimits | None = None,
+    shm: SharedMemoryReader | None = None,
 ) -> DecodedRequest:
     """Decode and fully validate a V2 ``/infer`` request body.
 
@@ -312,17 +322,20 @@ def decode_infer_request(
         model_name: Target model (from the URL).
         model_version: Target version from the URL, or None for the default version.
         limits: Server-wide tensor limits (see :mod:`gpuserve.protocol.limits`); None: none.
+        shm: Registered client shared-memory regions; None: shared-memory parameters are
+            refused.
 
     Returns:
         The request (inputs as numpy arrays of the declared dtypes; binary fixed-size inputs
-        are zero-copy, read-only views of ``body``) and its output options.
+        are zero-copy, read-only views of ``body``, shared-memory ones of the region) and its
+        output options.
 
     Raises:
         InvalidInputError: anything wrong with the body; the message names the field, the
             value received and what is expected.
     """
     document, binary = _split_body(body, header_length)
-    return _decode_document(document, binary, config, model_name, model_version, limits)
+    return _decode_document(document, binary, config, model_name, model_version, limits, shm)
 
 
 def _decode_document(
@@ -332,6 +345,7 @@ def _decode_document(
     model_name: str,
     model_version: str | None,
     limits: RequestLimits | None,
+    shm: SharedMemoryReader | None = None,
 ) -> DecodedRequest:
     inputs = document.get("inputs")
     if type(inputs) is not list:
@@ -375,8 +389,26 @@ def _decode_document(
                 raise InvalidInputError(
                     f"input {name!r}: 'parameters' must be a JSON object, got {json_type(params)}"
                 )
-            _reject_unsupported(params, f"input {name!r}")
             size_param = params.get("binary_data_size")
+            ref = shm_ref(params, f"input {name!r}", shm)
+            if ref is not None:
+                if "data" in item or size_param is not None:
+                    raise InvalidInputError(
+                        f"input {name!r} has 'shared_memory_region' and also "
+                        f"{'data' if 'data' in item else 'binary_data_size'}; send one"
+                    )
+                assert shm is not None
+                arrays[name] = build_input(
+                    spec,
+                    name,
+                    item.get("datatype"),
+                    item.get("shape"),
+                    raw=shm.view(ref.region, ref.offset, ref.byte_size).toreadonly(),
+                    config=config,
+                    size_label=BYTE_SIZE,
+                    limits=limits,
+                )
+                continue
         if size_param is None:
             if "data" not in item:
                 raise InvalidInputError(
@@ -453,7 +485,8 @@ def _decode_document(
                 f"request parameter 'binary_data_output' must be true or false, got "
                 f"{show(default_binary)}"
             )
-    requested, binary_flags = _decode_outputs(document.get("outputs"), config, model_name)
+    options = OutputOptions({}, default_binary)
+    requested = _decode_outputs(document.get("outputs"), config, model_name, options, shm)
     request = InferenceRequest(
         model_name=model_name,
         model_version=model_version,
@@ -464,41 +497,7 @@ def _decode_document(
         priority=priority,
         timeout_us=timeout_us,
     )
-    return DecodedRequest(request, OutputOptions(binary_flags, default_binary))
-
-
-def _fixed_size_output(array: np.ndarray, datatype: str, name: str) -> np.ndarray:
-    """The output as a C-contiguous, little-endian array of the declared dtype."""
-    dtype = NUMPY_DTYPES[datatype]
-    if array.dtype != dtype:
-        if not np.can_cast(array.dtype, dtype, casting="same_kind"):
-            raise BackendError(
-                f"output {name!r}: the model returned {array.dtype} values but the output "
-                f"is declared {datatype}"
-            )
-        array = array.astype(dtype)
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
-    return array
-
-
-def declared_output(config: ModelConfig, name: str, array: Any) -> TensorSpec:
-    """The declared spec of output ``name``, checking the model returned an array for it.
-
-    Raises:
-        BackendError: the model does not declare ``name``, or ``array`` is not an ndarray.
-    """
-    spec = _spec(config.outputs, name)
-    if spec is None:
-        raise BackendError(
-            f"model returned output {name!r}, which it does not declare "
-            f"(declared: {_names(config.outputs)})"
-        )
-    if not isinstance(array, np.ndarray):
-        raise BackendError(
-            f"output {name!r}: the model returned a {type(array).__name__}, not an array"
-        )
-    return spec
+    return DecodedRequest(request, options)
 
 
 def encode_infer_response(
@@ -518,19 +517,22 @@ def encode_infer_response(
         BackendError: an output the model does not declare, a dtype that cannot be cast to
             the declared datatype, a BYTES output that is not bytes/str, or non-UTF-8 bytes
             in a BYTES output requested as JSON.
+        InvalidInputError: an output larger than the shared memory the request gave it.
     """
     entries: list[dict[str, Any]] = []
     buffers: list[Any] = []
     for name, array in response.outputs.items():
-        datatype = declared_output(config, name, array).datatype
+        datatype = output_datatype(config, name, array, options)
         shape = list(array.shape)
-        if options.binary.get(name, options.default_binary):
-            if datatype == "BYTES":
-                payload: Any = serialize_bytes(bytes_elements(array, name), name)
-                nbytes = len(payload)
-            else:
-                payload = _fixed_size_output(array, datatype, name)
-                nbytes = payload.nbytes
+        target = options.shm.get(name)
+        if target is not None:
+            # as Triton: name, datatype and shape only (Triton's C++ client reads any
+            # output 'parameters' as binary_data_size and fails without it)
+            target.write(name, output_payload(array, datatype, name))
+            entries.append({"name": name, "datatype": datatype, "shape": shape})
+        elif options.binary.get(name, options.default_binary):
+            payload = output_payload(array, datatype, name)
+            nbytes = len(payload) if isinstance(payload, bytes) else payload.nbytes
             buffers.append(payload)
             entries.append(
                 {

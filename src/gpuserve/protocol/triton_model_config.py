@@ -16,6 +16,7 @@ from google.protobuf import json_format
 
 from gpuserve.config import ModelConfig
 from gpuserve.protocol.protos import model_config_pb2 as mc
+from gpuserve.protocol.triton_scheduling import scheduling_fields
 
 #: V2 datatype -> Triton's model-configuration ``DataType`` (BYTES is ``TYPE_STRING``).
 CONFIG_DATATYPE: dict[str, mc.DataType] = {
@@ -73,7 +74,6 @@ def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.Mod
         platform: The platform Triton clients know (``pytorch_libtorch``, ``onnx``, ...).
         config: The configuration the model is served with.
     """
-    db = config.dynamic_batching
     return mc.ModelConfig(
         name=name,
         platform=platform,
@@ -86,28 +86,23 @@ def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.Mod
                 data_type=CONFIG_DATATYPE[t.datatype],
                 dims=t.shape,
                 optional=t.optional,
+                format=t.format or "FORMAT_NONE",
             )
             for t in config.inputs
         ],
         output=[
-            mc.ModelOutput(name=t.name, data_type=CONFIG_DATATYPE[t.datatype], dims=t.shape)
+            mc.ModelOutput(
+                name=t.name,
+                data_type=CONFIG_DATATYPE[t.datatype],
+                dims=t.shape,
+                label_filename=t.label_filename or "",
+            )
             for t in config.outputs
         ],
         optimization=mc.ModelOptimizationPolicy(
             cuda=mc.ModelOptimizationPolicy.Cuda(graphs=config.optimization.cuda_graphs)
         ),
-        dynamic_batching=mc.ModelDynamicBatching(
-            preferred_batch_size=db.preferred_batch_sizes,
-            max_queue_delay_microseconds=db.max_queue_delay_us,
-            priority_levels=db.priority_levels,
-            default_priority_level=db.default_priority_level,
-            default_queue_policy=mc.ModelQueuePolicy(
-                timeout_action=mc.ModelQueuePolicy.REJECT,
-                default_timeout_microseconds=db.default_timeout_us,
-                allow_timeout_override=True,
-                max_queue_size=db.max_queue_size,
-            ),
-        ),
+        **scheduling_fields(config, CONFIG_DATATYPE),
         instance_group=[
             mc.ModelInstanceGroup(
                 name=f"{name}_{index}", kind=_KIND[group.kind], count=group.count, gpus=group.gpus

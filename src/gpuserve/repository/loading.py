@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from gpuserve.backends import backend_class, create_backend
 from gpuserve.backends.base import LoadContext
+from gpuserve.engine.calls import InProcessCaller
+from gpuserve.engine.ensemble_scheduler import StepRouter
 from gpuserve.engine.instance import Instance, resolve_pipeline_depth
 from gpuserve.engine.scheduler import ModelScheduler
 from gpuserve.errors import ModelNotReadyError
@@ -25,10 +27,16 @@ logger = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.005
 
 
-async def load_version(mv: ModelVersion, listeners: list[Callable[[ModelVersion], None]]) -> None:
+async def load_version(
+    mv: ModelVersion,
+    listeners: list[Callable[[ModelVersion], None]],
+    router: StepRouter | None = None,
+) -> None:
     """Complete the config, build and start every instance of ``mv``, then mark it READY; on
-    failure stop what started and mark it failed with the reason (raises no Exception)."""
+    failure stop what started and mark it failed with the reason (raises no Exception).
+    ``router`` (the manager) lets its models call other models (``LoadContext.infer``)."""
     loop = asyncio.get_running_loop()
+    caller = InProcessCaller(router, loop, mv.model) if router is not None else None
     started = loop.time()
     instances: list[Instance] = []
     try:
@@ -40,7 +48,9 @@ async def load_version(mv: ModelVersion, listeners: list[Callable[[ModelVersion]
         scheduler = ModelScheduler(mv.config, str(mv.version))
         for index, device in enumerate(instance_devices(mv.config)):
             instances.append(
-                await loop.run_in_executor(None, start_instance, mv, scheduler, index, device)
+                await loop.run_in_executor(
+                    None, start_instance, mv, scheduler, index, device, caller
+                )
             )
     except BaseException as err:
         for instance in instances:
@@ -56,7 +66,7 @@ async def load_version(mv: ModelVersion, listeners: list[Callable[[ModelVersion]
         """Replacement for an instance the scheduler's watchdog found hung."""
         ctx = dead.context
         return await loop.run_in_executor(
-            None, start_instance, mv, scheduler, ctx.instance_index, ctx.device
+            None, start_instance, mv, scheduler, ctx.instance_index, ctx.device, caller
         )
 
     scheduler.attach(instances, loop, respawn)
@@ -75,9 +85,14 @@ async def load_version(mv: ModelVersion, listeners: list[Callable[[ModelVersion]
 
 
 def start_instance(
-    mv: ModelVersion, scheduler: ModelScheduler, index: int, device: str
+    mv: ModelVersion,
+    scheduler: ModelScheduler,
+    index: int,
+    device: str,
+    caller: InProcessCaller | None = None,
 ) -> Instance:
-    """Build, load and warm up instance ``index`` of ``mv`` on ``device`` (blocking)."""
+    """Build, load and warm up instance ``index`` of ``mv`` on ``device`` (blocking);
+    ``caller`` lets the model call other models."""
     context = LoadContext(
         config=mv.config,
         version_path=mv.path,
@@ -85,6 +100,7 @@ def start_instance(
         device=device,
         instance_index=index,
         parameters=dict(mv.config.parameters),
+        caller=caller,
     )
     instance = Instance(
         f"{mv.model}:{mv.version}#{index}",
@@ -118,14 +134,16 @@ async def stop_version(mv: ModelVersion, timeout_s: float) -> None:
 
 
 def serving(mv: ModelVersion) -> ModelVersion:
-    """``mv``, unless every instance of it is being replaced after a hang (BC-22).
+    """``mv``, unless every instance of it is being replaced after a hang (BC-22), or it is
+    an ensemble one of whose steps is not served (its scheduler's ``unhealthy_reason``).
 
     Raises:
         ModelNotReadyError: no instance can run batches until a replacement has loaded.
     """
     if mv.scheduler is not None and not mv.scheduler.healthy:
+        why = getattr(mv.scheduler, "unhealthy_reason", None)
         raise ModelNotReadyError(
-            f"model '{mv.model}' version {mv.version} is not ready: its instance is being "
-            "restarted after it stopped responding"
+            f"model '{mv.model}' version {mv.version} is not ready: "
+            + (why or "its instance is being restarted after it stopped responding")
         )
     return mv

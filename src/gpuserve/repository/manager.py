@@ -23,6 +23,7 @@ from typing import Any, Literal
 from gpuserve.config import ServerConfig
 from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.repository import rollout
+from gpuserve.repository.ensemble_loading import load_ensemble
 from gpuserve.repository.executor import Change, Executor, adopt, last_scan, stop_all, take_config
 from gpuserve.repository.loading import load_version
 from gpuserve.repository.ondemand import OnDemand
@@ -274,9 +275,13 @@ class ModelManager(Router):
             ModelNotFoundError: no such model folder.
             ConfigError: invalid config or override, or a version failed to load (the message
                 names each version and its cause; what served before keeps serving).
+            ModelNotReadyError: loading it would pass ``--max-loaded-models`` or
+                ``--loaded-models-memory-bytes`` and no loaded model can be evicted (503).
         """
         self._require_explicit("load")
         path = self.repository / name
+        if path.is_dir():
+            await self.on_demand.make_room(name)  # within --max-loaded-models / memory limits
         async with self._lock(name):
             loop = asyncio.get_running_loop()
             entry = await loop.run_in_executor(None, read_model, path, config_override)
@@ -433,7 +438,10 @@ class ModelManager(Router):
         return model
 
     async def _load_version(self, mv: ModelVersion) -> None:
-        await load_version(mv, self.version_listeners)
+        if mv.config.ensemble is not None:  # steps run on other models' schedulers
+            await load_ensemble(mv, self.version_listeners, self)
+            return
+        await load_version(mv, self.version_listeners, router=self)
 
     def _require_explicit(self, action: str) -> None:
         if self.control_mode != "explicit":

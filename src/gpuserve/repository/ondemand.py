@@ -231,6 +231,28 @@ class OnDemand:
         )
         self._emit(ResidencyEvent("load", model.name, seconds=seconds, ok=ok))
 
+    async def make_room(self, name: str) -> None:
+        """Before an explicit load of ``name`` (repository API): unload least recently used
+        models until it fits the limits. Nothing when no limit is set or ``name`` is loaded
+        already (a reload replaces its own versions).
+
+        Raises:
+            ModelNotReadyError: nothing can be evicted (all pinned or busy): 503 naming why.
+        """
+        if not self.limits.limited:
+            return
+        async with self._lock:
+            model = self.manager.models.get(name)
+            if model is not None and (model.route.default is not None or model.versions):
+                return
+            room = residency.make_room(
+                self.residents(), name, residency.expected_memory(name, self._measured), self.limits
+            )
+            if room.blocked is not None:
+                raise ModelNotReadyError(f"failed to load '{name}': {room.blocked}")
+            for victim in room.evict:
+                await self.evict(victim, room.reason, incoming=name)
+
     async def _fit_after(self, name: str) -> None:
         """After a load measured more than expected: unload least recently used models until
         the memory limit holds again (nothing when they are all pinned or busy)."""

@@ -160,8 +160,9 @@ def _links_outside(path: Path, root: Path) -> bool:
         return True
 
 
-def read_version_folder(path: Path) -> VersionFolder:
-    """Inspect one version folder: its fingerprint and whether it is complete."""
+def read_version_folder(path: Path, allow_empty: bool = False) -> VersionFolder:
+    """Inspect one version folder: its fingerprint and whether it is complete (an empty one
+    only with ``allow_empty``: an ensemble's, as in Triton's repositories)."""
     if _links_outside(path, path.parent.parent):
         outside = f"{path}: links outside the model repository; not loaded"
         return VersionFolder(int(path.name), path, (), outside)
@@ -170,7 +171,7 @@ def read_version_folder(path: Path) -> VersionFolder:
     markers = [name for name in INCOMPLETE_MARKERS if (path / name).exists()]
     if markers:
         problem = f"{path}: incomplete (marker file '{markers[0]}' present); not loaded"
-    elif not prints:
+    elif not prints and not allow_empty:
         problem = f"{path}: empty version folder; not loaded"
     return VersionFolder(int(path.name), path, prints, problem)
 
@@ -203,7 +204,8 @@ def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
     if not entry.available:
         entry.error = f"{path}: no version folder (expected numeric sub-folders such as '1/')"
         return entry
-    entry.folders = {v: read_version_folder(path / str(v)) for v in entry.available}
+    empty_ok = entry.config.ensemble is not None  # an ensemble's folders hold nothing
+    entry.folders = {v: read_version_folder(path / str(v), empty_ok) for v in entry.available}
     loadable = entry.loadable()
     entry.versions = entry.config.version_policy.select(loadable)
     if not entry.versions:
@@ -286,12 +288,20 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
         ConfigError: ``root`` is not a readable folder.
     """
     problems: list[str] = []
-    for entry in scan_repository(root):
+    entries = scan_repository(root)
+    known = sorted(e.name for e in entries)
+    for entry in entries:
         if entry.config is None:
             problems.append(entry.error or f"{entry.path}: invalid")
             continue
         if entry.error:
             problems.append(entry.error)
+        for index, step in enumerate(entry.config.ensemble.steps if entry.config.ensemble else []):
+            if step.model_name not in known or step.model_name == entry.name:
+                problems.append(
+                    f"{entry.path}: field 'ensemble.steps[{index}].model_name': "
+                    f"{step.model_name!r} is not another model of the repository ({known})"
+                )
         for version in entry.available:
             folder = entry.folders[version]
             if folder.problem is not None:

@@ -12,7 +12,8 @@ has finished, it is not shutting down, and at least one model version is READY. 
 loaded at start and those loaded since, until they are unloaded or removed. A failed load
 never turns a serving server unready, and an empty server is never ready (BC-16, BC-17),
 except with ``load_on_demand``, where models load at their first request: the server is
-then ready with nothing loaded (non-strict rule).
+then ready with nothing loaded (and, with ``strict_readiness``, ready while no model is
+required, i.e. none is pinned or loaded).
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ class Router:
                 return True
             return any(m.route.default is not None for m in models)
         required = [m for m in models if m.required]
-        return bool(required) and all(m.route.default is not None for m in required)
+        if not required:  # on demand with nothing pinned: models load at their first request
+            return self.ready_when_empty
+        return all(m.route.default is not None for m in required)
 
     def in_flight(self) -> int:
         """Requests queued or running in every loaded version."""

@@ -10,10 +10,11 @@ priority levels, default queue policy), ``instance_group`` (count, kind, gpus),
 ``version_policy``, ``parameters`` (``string_value``), ``default_model_filename`` (the
 backend's own file name), ``optimization.cuda.graphs`` and the pinned-memory switches (gpuserve
 pins host buffers anyway). ``model_warmup`` is checked and logged, not run (gpuserve warms
-every batch-size bucket up itself).
+every batch-size bucket up itself). ``platform: "ensemble"`` with ``ensemble_scheduling``
+maps onto the ``ensemble`` section (:mod:`gpuserve.repository.triton_ensemble`).
 
 Everything else gets a :class:`~gpuserve.errors.ConfigError` that names the file and the
-field (``sequence_batching``, ``ensemble_scheduling``, ``model_transaction_policy.decoupled``,
+field (
 ``response_cache``, ...). The mapped fields then go through the same validation as a
 ``config.yaml``, so a bad value is reported with the file, the field and the value.
 """
@@ -27,6 +28,8 @@ from typing import Any
 from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.errors import ConfigError
 from gpuserve.repository.pbtxt import Message, Value, read_pbtxt
+from gpuserve.repository.triton_ensemble import ensemble_section
+from gpuserve.repository.triton_sequence import sequence_batching
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ PLATFORMS = {
     "pytorch_libtorch": "torch",
     "pytorch": "torch",
     "python": "python",
+    "ensemble": "ensemble",
 }
 #: The model file of each backend in a version folder (Triton's default names).
 MODEL_FILENAMES = {"onnx": "model.onnx", "torch": "model.pt", "python": "model.py"}
@@ -65,8 +69,6 @@ _KINDS = {"KIND_AUTO": "auto", "KIND_GPU": "gpu", "KIND_CPU": "cpu"}
 _LATER = "not supported by gpuserve yet"
 #: Top-level fields gpuserve refuses, with what the user is told.
 _REFUSED = {
-    "sequence_batching": f"{_LATER} (stateful sequences)",
-    "ensemble_scheduling": f"{_LATER} (ensembles)",
     "response_cache": "not supported by gpuserve (no response cache)",
     "batch_input": "not supported by gpuserve (ragged batch inputs)",
     "batch_output": "not supported by gpuserve (ragged batch outputs)",
@@ -92,6 +94,8 @@ _TOP = {
     "default_model_filename",
     "optimization",
     "model_transaction_policy",
+    "sequence_batching",
+    "ensemble_scheduling",
 }
 
 
@@ -183,6 +187,9 @@ class _Mapper:
             self.tensor(t, f"output[{i}].", output=True)
             for i, t in enumerate(tree.get("output", []))
         ]
+        sequence = self.sub(tree, "sequence_batching", "")
+        if sequence is not None:  # stateful models (repository/triton_sequence.py)
+            out["sequence_batching"] = sequence_batching(self, sequence)
         batching = self.sub(tree, "dynamic_batching", "")
         if batching is not None:
             out["dynamic_batching"] = self.dynamic_batching(batching)
@@ -204,11 +211,10 @@ class _Mapper:
         if transaction is not None:
             self.only(transaction, {"decoupled"}, "model_transaction_policy.")
             if self.flag(transaction, "decoupled", "model_transaction_policy."):
-                raise self.fail(
-                    "model_transaction_policy.decoupled",
-                    f"{_LATER} (decoupled models: several responses per request)",
-                    True,
-                )
+                out["model_transaction_policy"] = {"decoupled": True}
+        scheduling = self.sub(tree, "ensemble_scheduling", "")
+        if scheduling is not None:
+            out["ensemble"] = ensemble_section(self, scheduling, out["backend"])
         filename = self.text(tree, "default_model_filename", "")
         expected = MODEL_FILENAMES.get(out["backend"])
         if filename and filename != expected:
@@ -270,10 +276,10 @@ class _Mapper:
                 self.ints(reshape, "shape", f"{where}reshape."),
             )
         fmt = self.text(msg, "format", where)
-        if fmt not in (None, "FORMAT_NONE"):
-            raise self.fail(f"{where}format", _LATER, fmt)
-        if output and self.text(msg, "label_filename", where):
-            raise self.fail(f"{where}label_filename", f"{_LATER} (classification)")
+        if fmt not in (None, "FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC") or (fmt and output):
+            raise self.fail(
+                f"{where}format", "expected FORMAT_NONE, FORMAT_NCHW or FORMAT_NHWC", fmt
+            )
         spec: dict[str, Any] = {
             "name": self.text(msg, "name", where) or "",
             "datatype": self.datatype(msg, where),
@@ -281,6 +287,11 @@ class _Mapper:
         }
         if not output and self.flag(msg, "optional", where):
             spec["optional"] = True
+        if fmt in ("FORMAT_NCHW", "FORMAT_NHWC"):
+            spec["format"] = fmt
+        labels = self.text(msg, "label_filename", where) if output else None
+        if labels:  # the classification extension's labels, a file in the model folder
+            spec["label_filename"] = labels
         return spec
 
     def dynamic_batching(self, msg: Message) -> dict[str, Any]:
@@ -408,7 +419,7 @@ def _from_json(value: Any) -> Value:
         msg: Message = {}
         for key, item in value.items():
             name = "".join(f"_{c.lower()}" if c.isupper() else c for c in key)
-            if name == "parameters" and isinstance(item, dict):
+            if name in ("parameters", "input_map", "output_map") and isinstance(item, dict):
                 msg[name] = [{"key": [k], "value": [_from_json(v)]} for k, v in item.items()]
                 continue
             if name == "inputs" and isinstance(item, dict):  # model_warmup's map
@@ -423,9 +434,14 @@ def _from_json(value: Any) -> Value:
 
 
 #: Fields only Triton's schema has at the top level (gpuserve's are ``inputs``/``outputs``...).
-_TRITON_ONLY = {"input", "output", "platform", "default_model_filename", "model_warmup"} | set(
-    _REFUSED
-)
+_TRITON_ONLY = {
+    "input",
+    "output",
+    "platform",
+    "default_model_filename",
+    "model_warmup",
+    "ensemble_scheduling",
+} | set(_REFUSED)
 
 
 def is_triton_config(data: dict[str, Any]) -> bool:

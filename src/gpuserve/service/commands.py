@@ -139,22 +139,25 @@ class RepositoryCommands:
 
     # -- changing --------------------------------------------------------------------------
 
-    async def load(self, name: str, config: dict[str, Any] | None = None) -> ModelStatusView:
+    async def load(self, name: str, config: object = None) -> ModelStatusView:
         """Load or reload ``name`` (explicit mode), with ``config`` (the model configuration
-        as a JSON object: ``config.yaml``'s fields, or Triton's ModelConfig JSON, told apart by
+        as a JSON object or a JSON string of one: ``config.yaml``'s fields, or Triton's
+        ModelConfig JSON, told apart by
         :func:`~gpuserve.repository.triton_config.is_triton_config`) in place of its config
         file when given. A failure's message starts with Triton's ``failed to load '<name>'``.
 
         Raises:
-            InvalidInputError: a bad name or a configuration pointing outside the model.
+            InvalidInputError: a bad name, a configuration that is not a JSON object, or one
+                pointing outside the model.
             GpuserveError: what :meth:`ModelManager.load` raises.
         """
         check_model_name(name)
-        if config is not None:
-            check_override_paths(config)
         try:
-            await self.manager.load(name, config)
-        except (ConfigError, ModelNotFoundError) as err:
+            override = None if config is None else config_from_json(config)
+            if override is not None:
+                check_override_paths(override)
+            await self.manager.load(name, override)
+        except (ConfigError, ModelNotFoundError, InvalidInputError) as err:
             raise type(err)(failed_to_load(name, err.message)) from None
         return self._changed("load", name)
 

@@ -8,7 +8,13 @@ from gpuserve.errors import GpuserveError, OverloadedError
 SERVER_NAME = "gpuserve"
 
 #: The protocol extensions every front end supports (KServe V2 / Triton names).
-EXTENSIONS = ("binary_tensor_data", "statistics", "model_configuration", "model_repository")
+EXTENSIONS = (
+    "binary_tensor_data",
+    "statistics",
+    "model_configuration",
+    "model_repository",
+    "generate",
+)
 
 #: gpuserve backend -> the platform name Triton clients know (others report the backend).
 PLATFORM = {"python": "python", "torch": "pytorch_libtorch", "onnx": "onnxruntime_onnx"}

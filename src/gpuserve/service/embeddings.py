@@ -28,7 +28,10 @@ One call of N inputs is served as requests of the :class:`InferenceService`, nev
 When one chunk is refused (queue full) or fails, the call fails with that error and its other
 chunks are dropped when their batch forms (they are not run for nobody).
 
-Token counts (``usage.prompt_tokens``) are the model's own: the served version's backend, or a
+Token counts (``usage.prompt_tokens``) are the model's own. A model with an admission step
+(:mod:`gpuserve.service.admission`; the built-in text models) measured every chunk before it
+was queued: the count is the sum of the chunks' costs (tokens per row after truncation), with
+no second tokenisation. Otherwise the served version's backend, or a
 ``python`` model's class, declares ``count_tokens(texts: Sequence[str]) -> list[int]`` (tokens
 per text, special tokens included, after the model's truncation: what it embeds). It is
 called once per call with every text, after admission, while the batches run: inline for a
@@ -295,11 +298,13 @@ class EmbeddingsService:
         admissions: list[Admission] = []
         futures: list[asyncio.Future[InferenceResponse]] = []
         version: str | None = None
+        measured = True  # every chunk's model measures it at admission (its cost)
         try:
             for rows in chunks:
                 admission = self.service.admit(call.model, version, call.wire(rows), state.probe)
                 version = admission.version  # later chunks: the version that took the first
                 admissions.append(admission)
+                measured = measured and admission.step is not None
                 futures.append(self.service.submit(admission))
         except BaseException:
             self._abandon(state, futures)
@@ -308,12 +313,15 @@ class EmbeddingsService:
         spec = embedding_spec(first.config)
         assert spec is not None  # decode refuses a configuration that serves none
         try:
-            counting = self._count(first, call, spec)
+            counting = None if measured else self._count(first, call, spec)
             if len(futures) == 1:  # the common case: no gathering future
                 responses: Sequence[InferenceResponse] = [await futures[0]]
             else:
                 responses = await asyncio.gather(*futures)
-            tokens = counting if isinstance(counting, int) else sum(await counting)
+            if counting is None:
+                tokens = _admitted_tokens(admissions, call, spec)
+            else:
+                tokens = counting if isinstance(counting, int) else sum(await counting)
         except BaseException:
             self._abandon(state, futures)
             raise
@@ -374,6 +382,16 @@ class EmbeddingsService:
                 raise _count_failed(admission, err) from err
         future = asyncio.get_running_loop().run_in_executor(count_pool(), counter, list(texts))
         return asyncio.ensure_future(_guarded(future, admission))
+
+
+def _admitted_tokens(admissions: list[Admission], call: EmbeddingCall, spec: EmbeddingSpec) -> int:
+    """The call's token count from its chunks' admission costs (token-id rows count their
+    ids; ``token_counts: none`` reports 0)."""
+    if call.token_ids is not None:
+        return sum(map(len, call.token_ids))
+    if spec.token_counts == "none":
+        return 0
+    return sum(a.request.cost.tokens for a in admissions if a.request.cost is not None)
 
 
 async def _guarded(future: asyncio.Future[list[int]], admission: Admission) -> list[int]:

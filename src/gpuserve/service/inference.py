@@ -20,12 +20,22 @@ lookup, so a loaded model's request pays nothing more) and only then awaits
 :meth:`InferenceService.ensure_loaded` before calling :meth:`~InferenceService.admit`, with
 no await in between.
 
+For a model that declares an admission step (the built-in text models; see
+:mod:`gpuserve.service.admission`), :meth:`InferenceService.submit` and
+:meth:`InferenceService.run` first run it on the bounded admission threads (it measures the
+request's rows and may cut its texts), then queue it; other models are queued at once.
+
 Then :meth:`InferenceService.submit` queues it without a task (the HTTP front end answers from
 the future's done callback) or :meth:`InferenceService.run` awaits it (gRPC handlers; cancelling
-the awaiting task takes the request out of the queue). Statistics and Prometheus series of the
-requests a version took are recorded by its scheduler; refusals before that are recorded here,
-so every request is counted once, and :func:`~gpuserve.service.outcome.log_access` writes the
-access line of every answer.
+the awaiting task takes the request out of the queue). A request for a decoupled model
+(``model_transaction_policy.decoupled``) is read with :meth:`InferenceService.stream`
+instead, one response at a time (see :mod:`gpuserve.service.streaming`); ``submit`` and
+``run`` give its one response, or 400 when the model sent none or several.
+
+Statistics and Prometheus series of the requests a version took are recorded by its
+scheduler (a decoupled request's by its executor, once, when its stream ends); refusals before
+that are recorded here, so every request is counted once, and
+:func:`~gpuserve.service.outcome.log_access` writes the access line of every answer.
 
 Nothing here knows HTTP or protobuf: signatures carry names, typed requests and callables.
 """
@@ -37,16 +47,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpuserve.backends.base import AdmissionStep
 from gpuserve.config import ModelConfig, ServerConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.scheduler import ModelScheduler
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import GpuserveError, UnavailableError
 from gpuserve.metrics import ServerMetrics
+from gpuserve.metrics.sequences import SequenceCollector, manager_schedulers
 from gpuserve.repository.manager import ModelManager
+from gpuserve.service import streaming
+from gpuserve.service.admission import (
+    AdmissionPool,
+    admission_step,
+    run_step,
+    step_inline,
+    submit_after_step,
+)
 from gpuserve.service.commands import RepositoryCommands
+from gpuserve.service.extensions import Extensions, ExtensionViews
 from gpuserve.service.names import check_version_label
-from gpuserve.service.views import Views
 
 
 class WireRequest(Protocol):
@@ -93,6 +113,8 @@ class Admission:
     config: ModelConfig
     request: InferenceRequest
     scheduler: ModelScheduler = field(repr=False)
+    #: The model's admission step, still to run (None: none, or already run).
+    step: AdmissionStep | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> int:
@@ -122,8 +144,14 @@ class InferenceService:
         self.manager = manager
         self.config = config
         self.metrics = metrics
-        self.views = Views(manager)
+        self.views = ExtensionViews(manager, config)
         self.repository = RepositoryCommands(manager, self.views, config)
+        # Triton's shared-memory, classification, trace and log settings extensions
+        self.extensions = Extensions(manager, config)
+        # models' admission steps (service/admission.py): bounded threads, bounded waiting
+        self.admission_pool = AdmissionPool(
+            config.admission_workers, config.admission_queue, config.admission_inline_bytes
+        )
 
     @classmethod
     def from_config(cls, config: ServerConfig, *, with_metrics: bool = True) -> InferenceService:
@@ -134,6 +162,7 @@ class InferenceService:
         if metrics is not None:
             manager.version_listeners.append(metrics.watch_version)
             manager.on_demand.listeners.append(metrics.on_residency)
+            metrics.registry.register(SequenceCollector(manager_schedulers(manager)))
         return cls(manager, config, metrics)
 
     # -- admission -------------------------------------------------------------------------
@@ -199,16 +228,28 @@ class InferenceService:
             )
             raise
         request.is_cancelled = is_cancelled
-        return Admission(model, scheduler.version, mv.config, request, scheduler)
+        return Admission(
+            model, scheduler.version, mv.config, request, scheduler, admission_step(scheduler)
+        )
 
     def submit(self, admission: Admission) -> asyncio.Future[InferenceResponse]:
         """Queue an admitted request; its future resolves with the response or fails with
         why (queue timeout, model failure, unloaded). No task is created.
 
         Raises:
-            GpuserveError: refused at the queue (full, unknown priority, unloading).
+            GpuserveError: refused at the queue (full, unknown priority, unloading), or by
+                the admission pool (full: 429).
         """
-        return admission.scheduler.submit(admission.request)
+        if admission.step is not None and not step_inline(self.admission_pool, admission):
+            # the model's admission step first, on a worker thread (a large request)
+            return submit_after_step(self.admission_pool, admission, self.submit)
+        if admission.config.model_transaction_policy.decoupled:  # one response, or 400
+            stream = streaming.open_stream(admission)
+            return asyncio.ensure_future(streaming.collect_single(admission, stream))
+        future = admission.scheduler.submit(admission.request)
+        if self.extensions.traces.active:  # Triton's trace settings: sampled requests
+            self.extensions.trace_when_done(admission.model, future)
+        return future
 
     async def run(self, admission: Admission) -> InferenceResponse:
         """Queue an admitted request and wait for its response; cancelling the caller takes
@@ -217,7 +258,29 @@ class InferenceService:
         Raises:
             GpuserveError: as :meth:`submit`, and what its future fails with.
         """
-        return await admission.scheduler.infer(admission.request)
+        if admission.step is not None and not step_inline(self.admission_pool, admission):
+            await run_step(self.admission_pool, admission)  # on a worker thread
+        if admission.config.model_transaction_policy.decoupled:  # one response, or 400
+            return await streaming.single_response(admission)
+        response = await admission.scheduler.infer(admission.request)
+        if self.extensions.traces.active:  # Triton's trace settings: sampled requests
+            self.extensions.traces.record(admission.model, response)
+        return response
+
+    def stream(self, admission: Admission) -> streaming.ResponseStream:
+        """Run an admitted request of a decoupled model; its responses come from the
+        returned stream as the model produces them (see :mod:`gpuserve.service.streaming`).
+        For a model that is not decoupled the stream has its one response, final.
+
+        Raises:
+            GpuserveError: refused at the queue (full: 429; unloading: 503).
+        """
+        if admission.config.model_transaction_policy.decoupled:
+            if admission.step is not None and not step_inline(self.admission_pool, admission):
+                step = run_step(self.admission_pool, admission)
+                return streaming.SteppedStream(admission, step)
+            return streaming.open_stream(admission)
+        return streaming.single_stream(admission, self.submit(admission))
 
     def record_unrouted(self, model: str, version: str | None, reason: str) -> None:
         """Count a request that failed before any model version took it (unknown model or
@@ -251,13 +314,19 @@ class InferenceService:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is queued or running; False after ``timeout_s`` seconds."""
-        return await self.manager.wait_idle(timeout_s)
+        started = asyncio.get_running_loop().time()
+        if not await self.admission_pool.wait_idle(timeout_s):  # requests in admission steps
+            return False
+        left = timeout_s - (asyncio.get_running_loop().time() - started)
+        return await self.manager.wait_idle(max(0.0, left))
 
     async def close(self, drain_timeout_s: float) -> None:
         """Drain every version (up to ``drain_timeout_s`` seconds) and unload."""
         await self.manager.close(drain_timeout_s)
 
     def release(self) -> None:
-        """Release what the metrics hold (NVML)."""
+        """Release what the metrics hold (NVML) and the client shared-memory regions."""
+        self.extensions.close()
+        self.admission_pool.close()
         if self.metrics is not None:
             self.metrics.close()

@@ -10,7 +10,16 @@ is refused with :class:`~gpuserve.errors.InvalidInputError` (HTTP 400, gRPC
 INVALID_ARGUMENT) whose message names the region, the offset and the sizes; nothing crashes.
 
 The codecs receive the registry through the small :class:`SharedMemoryReader` interface, as
-they receive ``limits``, so they stay pure. Not wired into the front ends yet.
+they receive ``limits``, so they stay pure. The front ends hold one registry per server (the
+inference service's, when client shared memory is allowed) and call it on the event loop.
+
+Unregistering a region that a request in flight still reads or writes is safe: the request
+holds a view, which keeps the mapping alive until the request ends (the mapping is closed when
+the last view goes).
+
+:class:`CudaSharedMemoryRegistry` answers the CUDA shared-memory API: status and unregister of
+what is registered, and a clear refusal of registration (gpuserve does not open CUDA IPC
+handles: its engine hands host arrays to the backends).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,13 +119,20 @@ class SharedMemoryRegistry:
                     f"shared-memory region {name!r} is already registered; unregister it first"
                 )
             try:
-                fd = os.open(path, os.O_RDWR)
+                # never through a symbolic link: a client must not make the server map a
+                # file it could not open itself
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             except OSError as err:
                 raise InvalidInputError(
                     f"shared-memory region {name!r}: cannot open key {key!r} ({err.strerror})"
                 ) from None
             try:
-                size = os.fstat(fd).st_size
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    raise InvalidInputError(
+                        f"shared-memory region {name!r}: key {key!r} is not a shared-memory object"
+                    )
+                size = info.st_size
                 if offset + byte_size > size:
                     raise InvalidInputError(
                         f"shared-memory region {name!r}: offset {offset} + byte_size "
@@ -167,8 +184,83 @@ class SharedMemoryRegistry:
                 f"is outside the region's registered byte_size {limit}"
             )
         start = region.status.offset + offset
-        return memoryview(region.mapping)[start : start + byte_size]
+        try:
+            return memoryview(region.mapping)[start : start + byte_size]
+        except ValueError:  # closed by an unregister from another thread meanwhile
+            raise InvalidInputError(
+                f"Unable to find system shared memory region: {name!r}"
+            ) from None
 
     def close(self) -> None:
         """Unregister every region (server shutdown)."""
         self.unregister(None)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaRegionStatus:
+    """One registered CUDA shared-memory region, as the status API reports it.
+
+    Attributes:
+        name: The name the client registered it under.
+        device_id: The CUDA device of the allocation.
+        byte_size: Length of the region, bytes.
+    """
+
+    name: str
+    device_id: int
+    byte_size: int
+
+
+class CudaSharedMemoryRegistry:
+    """Triton's CUDA shared-memory API on a server that does not open CUDA IPC handles:
+    status lists nothing, unregister succeeds (nothing to forget), register is refused.
+
+    Args:
+        cuda_available: Whether this process sees a CUDA device (only changes the wording
+            of the refusal); None: asked of torch, when installed, at the first refusal.
+    """
+
+    def __init__(self, cuda_available: bool | None = None) -> None:
+        self._cuda = cuda_available
+
+    @property
+    def cuda_available(self) -> bool:
+        """Whether this process sees a CUDA device."""
+        if self._cuda is None:
+            try:
+                import torch
+
+                self._cuda = bool(torch.cuda.is_available())
+            except Exception:  # torch missing or broken: no device to talk about
+                self._cuda = False
+        return self._cuda
+
+    def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Refuse: gpuserve cannot map another process's CUDA allocation.
+
+        Raises:
+            InvalidInputError: always; says to use system shared memory instead.
+        """
+        why = (
+            "gpuserve does not open CUDA IPC handles"
+            if self.cuda_available
+            else "this server has no CUDA device"
+        )
+        raise InvalidInputError(
+            f"cannot register CUDA shared-memory region {name!r} (device {device_id}, "
+            f"{byte_size} bytes): {why}; register system shared memory instead "
+            f"(tritonclient.utils.shared_memory)"
+        )
+
+    def unregister(self, name: str | None = None) -> None:
+        """Nothing is ever registered: succeeds, as Triton does for an unknown name."""
+
+    def status(self, name: str | None = None) -> list[CudaRegionStatus]:
+        """Every region (none), or ``name``.
+
+        Raises:
+            InvalidInputError: ``name`` is given (it cannot be registered).
+        """
+        if name:
+            raise InvalidInputError(f"Unable to find cuda shared memory region: {name!r}")
+        return []

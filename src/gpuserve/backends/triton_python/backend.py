@@ -22,6 +22,8 @@ its own batch and ``execute`` gets it whole.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import sys
 from dataclasses import dataclass
@@ -29,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.python import PythonBackend
+from gpuserve.backends.streaming import ResponseSink
+from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
@@ -54,8 +58,11 @@ def model_args(context: LoadContext) -> dict[str, str]:
     config = context.config
     name = config.name or ""
     device_kind, _, device_id = context.device.partition(":")
+    triton_config = triton_model_config_dict(name, "python", config)
+    if config.model_transaction_policy.decoupled:  # pb_utils.using_decoupled_... reads it
+        triton_config["model_transaction_policy"] = {"decoupled": True}
     return {
-        "model_config": json.dumps(triton_model_config_dict(name, "python", config)),
+        "model_config": json.dumps(triton_config),
         "model_instance_kind": "GPU" if device_kind == "cuda" else "CPU",
         "model_instance_device_id": device_id or "0",
         "model_instance_name": f"{name}_{context.instance_index}",
@@ -63,6 +70,39 @@ def model_args(context: LoadContext) -> dict[str, str]:
         "model_version": str(context.version),
         "model_name": name,
     }
+
+
+def triton_error(error: BaseException) -> BaseException:
+    """A model's error as gpuserve reports it: a ``TritonError`` with code ``INVALID_ARG`` or
+    ``NOT_FOUND`` fails as bad input (400), any other as a model failure (500)."""
+    if isinstance(error, pb_utils.TritonError):
+        if error.code() in _INVALID:
+            return InvalidInputError(error.message())
+        return BackendError(error.message())
+    return error
+
+
+class _ErrorMapping:
+    """A :class:`ResponseSink` that maps Triton errors (see :func:`triton_error`)."""
+
+    def __init__(self, sink: ResponseSink) -> None:
+        self._sink = sink
+        self.request_id = sink.request_id
+        self.parameters = sink.parameters
+
+    def send(
+        self,
+        outputs: dict[str, np.ndarray] | None,
+        *,
+        final: bool = False,
+        error: BaseException | None = None,
+    ) -> bool:
+        return self._sink.send(
+            outputs, final=final, error=None if error is None else triton_error(error)
+        )
+
+    def is_cancelled(self) -> bool:
+        return self._sink.is_cancelled()
 
 
 @dataclass(slots=True)
@@ -86,12 +126,19 @@ class TritonPythonRunner(Backend):
         self.batched = False
         self.inputs: list[str] = []
         self.outputs: list[tuple[str, np.dtype]] = []
+        self.name = ""
+        self.caller: Any = None
 
     def load(self, context: LoadContext) -> None:
         config = context.config
         self.batched = config.max_batch_size > 0
         self.inputs = [t.name for t in config.inputs]
         self.outputs = [(t.name, numpy_dtype(t.datatype)) for t in config.outputs]
+        if config.sequence_batching is not None:  # implicit state comes back as outputs
+            states = config.sequence_batching.states
+            self.outputs += [(s.output_name, numpy_dtype(s.datatype)) for s in states]
+        self.name = config.name or ""
+        self.caller = context.caller
         self.model = self.cls()
         initialize = getattr(self.model, "initialize", None)
         if initialize is not None:
@@ -111,7 +158,10 @@ class TritonPythonRunner(Backend):
         ]
 
     def forward(self, prepared: list[pb_utils.InferenceRequest]) -> _Executed:
-        responses = self.model.execute(prepared)
+        with bls.installed(self.caller):  # InferenceRequest.exec() calls other models
+            responses = self.model.execute(prepared)
+            if inspect.iscoroutine(responses):  # ``async def execute`` (``await async_exec``)
+                responses = asyncio.run(responses)
         if not isinstance(responses, (list, tuple)) or len(responses) != len(prepared):
             got = len(responses) if isinstance(responses, (list, tuple)) else type(responses)
             raise BackendError(
@@ -164,6 +214,26 @@ class TritonPythonRunner(Backend):
                     arrays[name] = arrays[name].reshape(1)
         return arrays, None
 
+    def stream(self, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
+        """Decoupled execution: ``execute([request])`` with the request's response sender
+        bound to ``sink``; ``execute`` returns None and the model sends the responses, from
+        ``execute`` or its own threads (see :mod:`gpuserve.backends.streaming`)."""
+        request = pb_utils.InferenceRequest(
+            [pb_utils.Tensor(name, array) for name, array in inputs.items()],
+            model_name=self.name,
+            request_id=sink.request_id,
+            parameters=sink.parameters,
+        )
+        request._sender = pb_utils.InferenceResponseSender(_ErrorMapping(sink))  # type: ignore[attr-defined]
+        with bls.installed(self.caller):  # a decoupled model may call other models too
+            returned = self.model.execute([request])
+        if returned is not None and not (isinstance(returned, (list, tuple)) and not returned):
+            raise BackendError(
+                "a decoupled TritonPythonModel.execute must return None and send its "
+                "responses with request.get_response_sender(); it returned "
+                f"{type(returned).__name__}"
+            )
+
     def unload(self) -> None:
         finalize = getattr(self.model, "finalize", None)
         if finalize is not None:
@@ -206,6 +276,12 @@ class PythonModelBackend(Backend):
             )
 
     @property
+    def unpadded_batches(self) -> bool:  # type: ignore[override]  # read-only here
+        """Whether the user's ``Model`` runs variable-length batches unpadded (its
+        ``unpadded_batches``, e.g. the default text_embedding)."""
+        return bool(getattr(self.model, "unpadded_batches", False))
+
+    @property
     def model(self) -> Any:
         """The user's model object (a ``Model`` or a ``TritonPythonModel``), None when not
         loaded: as :attr:`PythonBackend.model`."""
@@ -216,6 +292,11 @@ class PythonModelBackend(Backend):
         if self.impl is None:
             raise BackendError("the python backend is not loaded")
         return self.impl
+
+    def admission(self) -> AdmissionStep | None:
+        """The wrapped model's admission step (gpuserve's ``Model.admit``), or None."""
+        impl = self.impl
+        return None if impl is None else impl.admission()
 
     def warmup(self) -> None:
         self._impl().warmup()
@@ -228,6 +309,16 @@ class PythonModelBackend(Backend):
 
     def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
         return self._impl().postprocess(raw)
+
+    def stream(self, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
+        """Decoupled execution (see :mod:`gpuserve.backends.streaming`): the ``Model``'s
+        ``generate`` generator, or the ``TritonPythonModel``'s ``execute`` with a response
+        sender."""
+        impl = self._impl()
+        stream = getattr(impl, "stream", None)
+        if stream is None:
+            raise BackendError("this python model cannot run decoupled")
+        stream(inputs, sink)
 
     def unload(self) -> None:
         if self.impl is not None:

@@ -4,8 +4,15 @@ Registered in ``sys.modules`` under that name by :mod:`gpuserve.backends.triton_
 before a ``model.py`` is imported. Tensors live on the CPU as numpy arrays (BYTES tensors as
 ``object`` arrays of ``bytes``), as Triton's Python backend gives them by default.
 
-Not provided (they raise :class:`TritonError` naming what is missing): business logic
-scripting (``InferenceRequest.exec``), decoupled response senders, custom metrics.
+Decoupled models (``model_transaction_policy { decoupled: true }``) get their request's
+:class:`InferenceResponseSender` from ``request.get_response_sender()``: ``send(response,
+flags)`` (``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` marks the last; ``send(flags=...)`` alone is
+an empty final), from ``execute`` or from any thread of the model, and ``is_cancelled()``
+(True once the client cancelled or went away). ``send`` blocks while the client reads slowly.
+
+Business logic scripting: ``InferenceRequest(model_name=..., ...).exec()`` / ``async_exec()``
+(see :mod:`.bls`). Not provided (they raise :class:`TritonError` naming what is missing):
+custom metrics.
 """
 
 from __future__ import annotations
@@ -92,6 +99,10 @@ class TritonError(Exception):
         return self._code
 
 
+class TritonModelException(TritonError):
+    """What a model raises from ``initialize``/``execute`` to report a failure."""
+
+
 class Tensor:
     """A named tensor (CPU, numpy).
 
@@ -150,7 +161,8 @@ class Tensor:
 class InferenceRequest:
     """One request handed to ``execute``: its inputs and what it asks for.
 
-    Models may build one for business logic scripting; :meth:`exec` is not supported.
+    Models may build one for business logic scripting and run it with :meth:`exec` or
+    :meth:`async_exec` (``model_version`` and ``timeout``, microseconds, are keywords too).
     """
 
     def __init__(
@@ -162,7 +174,7 @@ class InferenceRequest:
         correlation_id: int = 0,
         parameters: dict[str, Any] | str | None = None,
         flags: int = 0,
-        **_: Any,
+        **options: Any,
     ) -> None:
         self._inputs = list(inputs or [])
         self._outputs = list(requested_output_names or [])
@@ -173,6 +185,7 @@ class InferenceRequest:
             parameters if isinstance(parameters, str) else json.dumps(parameters or {})
         )
         self._flags = flags
+        self._options = options  # model_version, timeout (us): business logic scripting
 
     def inputs(self) -> list[Tensor]:
         """Every input tensor."""
@@ -203,18 +216,42 @@ class InferenceRequest:
         return self._flags
 
     def is_cancelled(self) -> bool:
-        """False: a cancelled request never reaches ``execute``."""
-        return False
+        """Whether the client cancelled or went away (decoupled models; otherwise False: a
+        cancelled request never reaches ``execute``)."""
+        sender = getattr(self, "_sender", None)
+        return sender is not None and sender.is_cancelled()
 
-    def get_response_sender(self) -> Any:
-        """Raises: decoupled models are not supported by gpuserve yet."""
-        raise TritonError("decoupled response senders are not supported by gpuserve yet", 5)
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The request's response sender (decoupled models).
 
-    def exec(self, *_: Any, **__: Any) -> Any:
-        """Raises: business logic scripting is not supported by gpuserve yet."""
-        raise TritonError("business logic scripting (BLS) is not supported by gpuserve yet", 5)
+        Raises:
+            TritonError: the model is not decoupled (it returns its responses from
+                ``execute``).
+        """
+        sender = getattr(self, "_sender", None)
+        if sender is None:
+            raise TritonError(
+                "get_response_sender: the model is not decoupled (set "
+                "model_transaction_policy { decoupled: true } to send responses)",
+                TritonError.UNSUPPORTED,
+            )
+        return sender
 
-    async_exec = exec
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run this request on model ``model_name`` of the repository and wait for its
+        response (business logic scripting; see :mod:`.bls`). Errors come back in the
+        response (``has_error()``), they are not raised."""
+        from gpuserve.backends.triton_python import bls
+
+        response: InferenceResponse = bls.exec_request(self, decoupled)
+        return response
+
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        """``exec`` for ``async def execute``: awaitable, several at once."""
+        from gpuserve.backends.triton_python import bls
+
+        response: InferenceResponse = await bls.async_exec_request(self, decoupled)
+        return response
 
 
 class InferenceResponse:
@@ -242,6 +279,62 @@ class InferenceResponse:
     def error(self) -> TritonError | None:
         """The response's error, or None."""
         return self._error
+
+
+class InferenceResponseSender:
+    """Sends the responses of one request of a decoupled model (thread-safe).
+
+    Args:
+        sink: The engine's side of the stream (``gpuserve.backends.streaming.ResponseSink``).
+    """
+
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        """Send ``response`` (None: no response, only ``flags``); ``flags`` ==
+        ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` marks the request's last. Blocks while the
+        client reads slowly; does nothing once the request is cancelled.
+
+        Raises:
+            TritonError: after the final flag was sent, a response that is not an
+                ``InferenceResponse``, or an unknown flag.
+        """
+        if self._closed:
+            raise TritonError(
+                "send: the final response of this request was already sent", TritonError.INTERNAL
+            )
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonError(f"send: unknown flags {flags}", TritonError.INVALID_ARG)
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonError(
+                f"send: expected an InferenceResponse, got {type(response).__name__}",
+                TritonError.INVALID_ARG,
+            )
+        final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if final:
+            self._closed = True
+        if response is None:
+            if final:
+                self._sink.send(None, final=True)
+            return
+        error = response.error()
+        if error is not None:
+            self._sink.send(None, final=final, error=error)
+            return
+        outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        self._sink.send(outputs, final=final)
+
+    def is_cancelled(self) -> bool:
+        """True once the client cancelled the request or went away: stop sending."""
+        return bool(self._sink.is_cancelled())
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    """Whether a parsed ``args["model_config"]`` sets ``model_transaction_policy.decoupled``."""
+    policy = model_config.get("model_transaction_policy") or {}
+    return bool(policy.get("decoupled", False))
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

@@ -15,7 +15,9 @@ reaches a client.
 * ``ModelStreamInfer`` runs the requests of one stream concurrently: each is handed to its
   model's scheduler as it arrives (so they batch with each other and with other traffic) and
   its response is written as soon as it is ready, carrying the request's id. A failed request
-  gets a response whose ``error_message`` says why; the stream goes on.
+  gets a response whose ``error_message`` says why; the stream goes on. Decoupled models
+  answer with each response as produced, the last marked ``triton_final_response`` (see
+  :mod:`gpuserve.server.grpc.stream`).
 * ``RepositoryModelLoad`` / ``RepositoryModelUnload`` call the service's typed repository
   commands, as the HTTP front end does: the same checks and behaviour, the management token
   read from the ``authorization`` metadata (UNAUTHENTICATED without it, PERMISSION_DENIED when
@@ -38,7 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gpuserve.config import ServerConfig
-from gpuserve.engine.request import RequestTiming
+from gpuserve.engine.request import InferenceResponse, RequestTiming
 from gpuserve.errors import GpuserveError, InvalidInputError
 from gpuserve.protocol.grpc_codec import GrpcInferMessage, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
@@ -46,12 +48,13 @@ from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import grpc_service_pb2_grpc as pb_grpc
 from gpuserve.server.grpc import messages
 from gpuserve.server.grpc.access import log_call
+from gpuserve.server.grpc.extensions import ExtensionRpcs
+from gpuserve.server.grpc.stream import stream_infer
 from gpuserve.server.security import Redactor, bearer_token, check_model_name
 from gpuserve.server.status import grpc_code
 from gpuserve.server.timing import timing_metadata
-from gpuserve.service.commands import config_from_json
 from gpuserve.service.constants import retry_after_s
-from gpuserve.service.inference import InferenceService
+from gpuserve.service.inference import Admission, InferenceService
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +172,7 @@ def unary(method: Handler[Request, Response]) -> Handler[Request, Response]:
     return handler
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer(ExtensionRpcs, pb_grpc.GRPCInferenceServiceServicer):
     """The V2 inference service over an :class:`InferenceService`.
 
     Args:
@@ -246,7 +249,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
-        config: dict[str, Any] | None = None
+        config: str | None = None
         for key, value in request.parameters.items():
             if key == "config":
                 if value.WhichOneof("parameter_choice") != "string_param":
@@ -254,7 +257,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         "parameter 'config' must be a string_param holding the model "
                         "configuration as JSON"
                     )
-                config = config_from_json(value.string_param)
+                config = value.string_param  # parsed by the load command
             elif key.startswith("file:"):
                 raise InvalidInputError(
                     f"parameter {key!r}: model files in a load request are not supported; "
@@ -286,14 +289,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await in between)."""
         if self.service.cold(request.model_name):
             await self.service.ensure_loaded(request.model_name)
+        wire = GrpcInferMessage(request, self.limits, self.service.extensions.shared_memory)
         admission = self.service.admit(
-            request.model_name,
-            request.model_version or None,
-            GrpcInferMessage(request, self.limits),
-            context.cancelled,
+            request.model_name, request.model_version or None, wire, context.cancelled
         )
         response = await self.service.run(admission)
-        return encode_infer_response(response, admission.config), response.timing
+        return self.encode(wire, admission, response), response.timing
+
+    def encode(
+        self, wire: GrpcInferMessage, admission: Admission, response: InferenceResponse
+    ) -> pb.ModelInferResponse:
+        """``response`` as the request's output options ask: top-k labels (Triton's
+        classification extension), outputs written to shared-memory regions, or raw."""
+        options = wire.output_options
+        if options.classification:
+            response = self.service.extensions.classify(
+                admission.model, admission.config, response, options.classification
+            )
+        return encode_infer_response(response, admission.config, options)
 
     @unary
     async def ModelInfer(
@@ -311,61 +324,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def run(request: pb.ModelInferRequest | MalformedRequest) -> None:
-            started = time.monotonic()
-            code = "OK"
-            message = None
-            if isinstance(request, MalformedRequest):
-                if self.access_log:
-                    log_call(context.peer(), "ModelStreamInfer", "INVALID_ARGUMENT", None, None, 0)
-                results.put_nowait(_stream_error(pb.ModelInferRequest(), request.error.message))
-                return
-            try:
-                message, _ = await self._infer(request, context)
-                results.put_nowait(pb.ModelStreamInferResponse(infer_response=message))
-            except GpuserveError as err:
-                code = grpc_code(err)
-                results.put_nowait(_stream_error(request, self.redactor.text(err.message)))
-            except Exception:  # a bug: log it, never leak it
-                code = "INTERNAL"
-                logger.exception("unhandled error serving a ModelStreamInfer request")
-                results.put_nowait(_stream_error(request, "internal server error"))
-            if self.access_log:
-                peer = context.peer()
-                total_s = time.monotonic() - started
-                log_call(peer, "ModelStreamInfer", code, request, message, total_s)
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(run(request))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                if running:
-                    await asyncio.wait(set(running))
-            finally:
-                results.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await results.get()) is not None:
-                yield item
-            await reader  # re-raises a failure of the request stream itself
-        finally:
-            for task in (reader, *running):
-                task.cancel()
-
-
-def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
-    return pb.ModelStreamInferResponse(
-        error_message=message,
-        infer_response=pb.ModelInferResponse(
-            model_name=request.model_name, model_version=request.model_version, id=request.id
-        ),
-    )
+        # decoupled models, the final-response mark and back-pressure: server/grpc/stream.py
+        async for response in stream_infer(self, request_iterator, context):
+            yield response
 
 
 def _bearer(context: grpc.aio.ServicerContext) -> bytes | None:

@@ -9,6 +9,9 @@ extensions):
     GET  /v2/models/{m}[/versions/{v}]        model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready  model readiness
     POST /v2/models/{m}[/versions/{v}]/infer  inference (JSON or binary tensor extension)
+    POST /v2/models/{m}[/versions/{v}]/generate[_stream]  Triton's generate extension (JSON;
+                                              server-sent events; see
+                                              gpuserve.server.http.generate)
     GET  /v2/models/{m}[/versions/{v}]/config the model's configuration as Triton's ModelConfig
                                               JSON (gRPC's content); gpuserve's own fields
                                               at .../config/gpuserve or ?format=gpuserve
@@ -17,6 +20,9 @@ extensions):
     POST /v2/repository/models/{m}/...        load, unload, rollback, canary (see
                                               gpuserve.server.http.repository)
     GET  /v2/openapi.json                     this API as an OpenAPI 3 document
+    .../systemsharedmemory, /cudasharedmemory Triton's shared-memory, trace-setting and
+    /v2/trace/setting, /v2/logging            log-setting extensions (see
+                                              gpuserve.server.http.extensions_api)
     GET  /metrics                             Prometheus metrics
     POST /v1/embeddings, GET /v1/models[/{m}] OpenAI-compatible embeddings (see
                                               gpuserve.server.http.openai; OpenAI's errors)
@@ -45,7 +51,7 @@ from gpuserve.config import ServerConfig
 from gpuserve.errors import GpuserveError, UnauthenticatedError
 from gpuserve.protocol.http_codec import HttpInferBody, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
-from gpuserve.server.http import openai
+from gpuserve.server.http import extensions_api, generate, openai
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository import RepositoryApi
@@ -97,10 +103,19 @@ class HttpApp:
         self.access_log = config.access_log
         self.config = config
         self.repository = RepositoryApi(service)
+        self.extensions = extensions_api.ExtensionsApi(service)  # shm, trace, logging
         self.tokens = Tokens(config)
         self.redactor = Redactor(config.model_repository)
         self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.generate = generate.GenerateApi(
+            service,
+            self.limits,
+            self.redactor,
+            self._fail,
+            lambda request, status, body: self._send(request, status, body),
+            lambda request, status, size: self._streamed(request, status, size),
+        )
         self.openai = openai.OpenAIApi(
             service, self.tokens, self.limits, self.redactor, config.access_log, self._spawn
         )
@@ -130,13 +145,21 @@ class HttpApp:
             if method == "POST" and path.endswith("/infer"):
                 self._infer(request)
                 return
+            if method == "POST" and path.endswith(("/generate", "/generate_stream")):
+                name, version, rest = _split_model_path(path)  # Triton's generate extension
+                if rest in generate.ENDPOINTS:
+                    self._spawn(self.generate.handle(request, name, version, rest))
+                    return
             if method == "GET" and path == "/metrics" and self.metrics is not None:
                 self._spawn(self._metrics(request))
                 return
             if method == "POST" and self.repository.handles(path):
                 self._spawn(self._repository(request))
                 return
-            status, payload = self._route(method, path, request.query)
+            if extensions_api.handles(path):
+                status, payload = self._extension(method, path, request.body)
+            else:
+                status, payload = self._route(method, path, request.query)
         except Exception as err:
             self._fail(request, err)
             return
@@ -181,6 +204,11 @@ class HttpApp:
             request, status, orjson.dumps({"error": self.redactor.text(message)}), JSON, headers
         )
 
+    def _streamed(self, request: HttpRequest, status: int, size: int) -> None:
+        """The access line of an answer streamed without :meth:`_send` (generate_stream)."""
+        if self.access_log:
+            _log_access(request, status, size, time.monotonic() - request.started_s)
+
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)  # held until done: the loop keeps only weak references
@@ -194,7 +222,10 @@ class HttpApp:
             raise HttpError(404, f"unknown path {request.path}")
         header = request.header(b"inference-header-content-length")
         wire = HttpInferBody(
-            request.body, None if header is None else header.decode("latin-1"), self.limits
+            request.body,
+            None if header is None else header.decode("latin-1"),
+            self.limits,
+            self.service.extensions.shared_memory,
         )
         if self.service.cold(name):  # loads on demand first; a loaded model never gets here
             self._spawn(self._infer_cold(request, name, version, wire))
@@ -233,6 +264,10 @@ class HttpApp:
     ) -> None:
         try:
             response = future.result()
+            if wire.output_options.classification:  # Triton's classification extension
+                response = self.service.extensions.classify(
+                    admission.model, admission.config, response, wire.output_options.classification
+                )
             encoded = encode_infer_response(response, wire.output_options, admission.config)
         except BaseException as err:
             self._fail(request, err)
@@ -312,6 +347,13 @@ class HttpApp:
                 404 if method in ("GET", "POST") else 405, f"no endpoint {method} {path}"
             )
         raise HttpError(404, f"no endpoint {method} {path}")
+
+    def _extension(self, method: str, path: str, body: bytes | bytearray) -> tuple[int, bytes]:
+        """Triton's shared-memory, trace-setting and log-setting endpoints."""
+        try:
+            return self.extensions.handle(method, path, body)
+        except LookupError:
+            raise HttpError(404, f"no endpoint {method} {path}") from None
 
     async def _repository(self, request: HttpRequest) -> None:
         path = request.path

@@ -51,6 +51,7 @@ from gpuserve.server.http.encoding import (
     decode_body,
     encode_body,
 )
+from gpuserve.server.http.openai_errors import OPENAI_PREFIX, transport_error_body
 from gpuserve.server.http.request import Handler, Headers, HttpRequest
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,11 @@ _DATE = _DateHeader()
 
 def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
+
+
+#: Seconds a connection that has sent nothing yet may take to send its request once the
+#: server is shutting down (see :meth:`HttpConnection.shutdown`).
+FRESH_GRACE_S = 2.0
 
 
 class _HeadTooLarge(httptools.HttpParserError):
@@ -131,6 +137,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._reading_paused = False
         self._writing_paused = False
         self._last_active = 0.0
+        self._received = False  # any byte from the client yet
         self._idle_timer: asyncio.TimerHandle | None = None
         self._broken = False  # the parser failed: no more requests from this connection
         # the message being parsed
@@ -172,6 +179,17 @@ class HttpConnection(asyncio.BufferedProtocol):
             self._idle_timer.cancel()
         self.on_close(self)
 
+    def write_streamed(self, data: bytes) -> bool:
+        """Write part of a streamed answer (a handler that writes its own response, e.g.
+        server-sent events) and count the connection as active, so the keep-alive timer does
+        not cut a long stream that is still writing. False when the transport is gone."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        transport.write(data)
+        self._last_active = self.loop.time()
+        return True
+
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._read_view
 
@@ -184,6 +202,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self._broken:
             return  # after a refusal the rest of the input is dropped
         self._last_active = self.loop.time()
+        self._received = True
         self._began = False
         try:
             self.parser.feed_data(data)
@@ -333,7 +352,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             self.parser.should_keep_alive() and not self._upgrade,
             error,
         )
-        if self._accept is not None:
+        if self._accept is not None and _compressible(path):
             request.answer_coding = answer_coding(self._accept)
         self._enqueue(request)
 
@@ -357,7 +376,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._current = request
         if request.error is not None:
             status, message = request.error
-            request.respond(status, error_body(message))
+            if request.path.startswith(OPENAI_PREFIX):
+                request.respond(status, transport_error_body(status, message))
+            else:
+                request.respond(status, error_body(message))
             return
         try:
             self.handler.handle(request)
@@ -443,11 +465,23 @@ class HttpConnection(asyncio.BufferedProtocol):
         """No request is being answered or waiting."""
         return self._current is None and not self._waiting
 
-    def shutdown(self) -> None:
-        """Close now if idle, else after the request being answered (``connection: close``)."""
+    def shutdown(self, fresh_grace_s: float = FRESH_GRACE_S) -> None:
+        """Close now if idle, else after the request being answered (``connection: close``).
+
+        A connection that has not sent a byte yet was accepted a moment ago and its request
+        is on the way (a busy client can take a while to write it): it gets ``fresh_grace_s``
+        seconds for it, to be answered (503 while shutting down) rather than dropped unread.
+        """
         self.closing = True
         self._waiting.clear()
         if self._current is None and self.transport is not None:
+            if not self._received and fresh_grace_s > 0:
+                self.loop.call_later(fresh_grace_s, self._close_if_unused)
+                return
+            self.transport.close()
+
+    def _close_if_unused(self) -> None:
+        if self.idle and self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
     def abort(self) -> None:
@@ -515,4 +549,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._broken = True
         self._in_head = False
         self._pause_reading()
-        self._enqueue(HttpRequest(self, "", "", b"", [], b"", False, (status, message)))
+        path = self._url.split(b"?", 1)[0].decode("latin-1")  # as far as the head got
+        self._enqueue(HttpRequest(self, "", path, b"", [], b"", False, (status, message)))
+
+
+def _compressible(path: str) -> bool:
+    """Whether an answer to ``path`` may be compressed: inference answers (V2 ``/infer``, as
+    Triton compresses only those: tritonclient.http.aio reads other answers as sent) and the
+    OpenAI-compatible API."""
+    return path.endswith("/infer") or path.startswith(OPENAI_PREFIX)

@@ -92,6 +92,17 @@ class ErrorAnswer:
         return orjson.dumps({"error": error})
 
 
+#: Paths whose errors take OpenAI's shape, even those the HTTP transport answers itself.
+OPENAI_PREFIX = "/v1/"
+
+
+def transport_error_body(status: int, message: str) -> bytes:
+    """OpenAI's error body for a refusal of the HTTP transport (413 body too large, 431,
+    400 unparseable), for a request to an OpenAI path."""
+    kind, code = _TYPE_CODE.get(status, ("invalid_request_error", None))
+    return ErrorAnswer(status, message, kind, code).body()
+
+
 def error_answer(err: BaseException) -> ErrorAnswer:
     """The status, OpenAI error fields and headers for ``err`` (500 for a bug, logged)."""
     if isinstance(err, GpuserveError):

@@ -145,6 +145,7 @@ def _model_paths() -> dict[str, Any]:
                 operation_id=f"modelInfer{tag}",
             )
         }
+        paths.update(_generate_paths(base, params, tag))  # Triton's generate extension
         paths[base + "/config"] = {
             "get": _op(
                 "The model's configuration as loaded, in Triton's ModelConfig JSON "
@@ -183,6 +184,70 @@ def _model_paths() -> dict[str, Any]:
             )
         }
     return paths
+
+
+_GENERATE_BODY = {
+    "required": True,
+    "content": {
+        JSON: {
+            "schema": {
+                "type": "object",
+                "description": "Keys naming a model input carry its data (a value or a list); "
+                "'parameters' (an object) and other keys are request parameters; 'id' is "
+                "the request id.",
+                "properties": {
+                    "id": {"type": "string"},
+                    "parameters": {"type": "object", "additionalProperties": True},
+                },
+                "additionalProperties": True,
+            }
+        }
+    },
+}
+_GENERATE_RESPONSE = {
+    "type": "object",
+    "description": "Each output by name (BYTES as text; one element as a scalar).",
+    "required": ["model_name", "model_version"],
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+    },
+    "additionalProperties": True,
+}
+
+
+def _generate_paths(base: str, params: list[dict[str, Any]], tag: str) -> dict[str, Any]:
+    """``generate`` and ``generate_stream`` under one model path (see
+    :mod:`gpuserve.server.http.generate`)."""
+    errors = _errors("400", "401", "404", "413", "429", "500", "503")
+    return {
+        base + "/generate": {
+            "post": _op(
+                "Generate extension: one JSON response (a decoupled model must send one).",
+                {"200": _json_response("The response.", _GENERATE_RESPONSE), **errors},
+                parameters=params,
+                body=_GENERATE_BODY,
+                operation_id=f"modelGenerate{tag}",
+            )
+        },
+        base + "/generate_stream": {
+            "post": _op(
+                "Generate extension: the responses as server-sent events, each 'data: "
+                "{...}' (a failure after the first is a last event with 'error').",
+                {
+                    "200": {
+                        "description": "Server-sent events, one per response.",
+                        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    },
+                    **errors,
+                },
+                parameters=params,
+                body=_GENERATE_BODY,
+                operation_id=f"modelGenerateStream{tag}",
+            )
+        },
+    }
 
 
 def _repository_paths() -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 Merged into :func:`gpuserve.server.http.openapi.openapi_document` (paths, schemas and error
 responses), so schemathesis fuzzes them with the rest. Their errors are OpenAI's
-``{"error": {"message", "type", "param", "code"}}``; only what the HTTP transport answers
-before any handler runs (a body over ``max_request_body_bytes``: 413, a head over
-``max_header_bytes``: 431) keeps gpuserve's ``{"error": "..."}``.
+``{"error": {"message", "type", "param", "code"}}``, including what the HTTP transport
+answers before any handler runs (a body over ``max_request_body_bytes``: 413, a head over
+``max_header_bytes``: 431).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ _ERRORS = {
     "404": ("OpenAINotFound", "Unknown model, a model serving no embeddings, or a bad URL."),
     "413": (
         "OpenAIPayloadTooLarge",
-        f"More than {MAX_INPUTS} inputs (OpenAI's error), or a body over "
-        'max_request_body_bytes (answered by the transport as {"error": "..."}).',
+        f"More than {MAX_INPUTS} inputs, or a body over max_request_body_bytes.",
     ),
+    "431": ("OpenAIHeadersTooLarge", "The request line and headers exceed max_header_bytes."),
     "429": ("OpenAITooManyRequests", "The model's queue is full; retry after Retry-After."),
     "500": ("OpenAIInternalError", "The model failed on this request."),
     "503": ("OpenAIUnavailable", "Not ready, timed out in the queue, or shutting down."),
@@ -40,9 +40,9 @@ def _ref(name: str) -> dict[str, Any]:
 
 
 def _errors(*codes: str) -> dict[str, Any]:
-    found = {code: {"$ref": f"#/components/responses/{_ERRORS[code][0]}"} for code in codes}
-    found["431"] = {"$ref": "#/components/responses/HeadersTooLarge"}
-    return found
+    return {
+        code: {"$ref": f"#/components/responses/{_ERRORS[code][0]}"} for code in (*codes, "431")
+    }
 
 
 def openai_schemas() -> dict[str, Any]:

@@ -27,7 +27,7 @@ import orjson
 
 from gpuserve.errors import InvalidInputError
 from gpuserve.server.security import Headers, bearer_token, check_model_name
-from gpuserve.service.commands import CanaryRequest, config_from_json
+from gpuserve.service.commands import CanaryRequest
 from gpuserve.service.inference import InferenceService
 
 _PREFIX = "/v2/repository/models/"
@@ -110,15 +110,13 @@ def _json_body(body: bytes | bytearray) -> dict[str, Any]:
     return value
 
 
-def _config_override(request: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``parameters.config`` of a load request (a JSON string, or an object), or None."""
+def _config_override(request: dict[str, Any]) -> object:
+    """The ``parameters.config`` of a load request (a JSON string, or an object; the load
+    command parses it), or None."""
     parameters = request.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInputError("field 'parameters' must be an object")
-    config = parameters.get("config")
-    if config is None:
-        return None
-    return config_from_json(config)
+    return parameters.get("config")
 
 
 def _canary_body(request: dict[str, Any]) -> CanaryRequest:

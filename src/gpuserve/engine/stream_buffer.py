@@ -1,0 +1,278 @@
+"""The bounded buffer between a decoupled model's thread and the client of its stream.
+
+:class:`BufferCore` is the pure state (no threads, no clock): a FIFO of at most ``capacity``
+responses, with the counts tests assert on. :class:`ResponseChannel` wraps it for its two
+sides: the model's thread (:meth:`ResponseChannel.send`, which blocks while the buffer is
+full: back-pressure instead of memory) and the event loop (:meth:`ResponseChannel.get`,
+awaited by the front end that writes the responses out). Cancelling (the client went away
+or cancelled) empties the buffer and turns every later ``send`` into a no-op that returns
+False, which is how a generator learns to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from gpuserve.errors import GpuserveError
+
+#: Seconds between two looks at the client's probe while the model waits on a full buffer.
+PROBE_INTERVAL_S = 0.05
+
+
+@dataclass(slots=True)
+class StreamItem:
+    """One response of a decoupled request, as the engine hands it to the service.
+
+    Attributes:
+        outputs: Output name -> array of this response, or None (an empty final, or an
+            error).
+        final: The request's last item: nothing follows.
+        error: This response failed (the stream ends with it when ``final``).
+        index: 0-based position in the stream.
+    """
+
+    outputs: dict[str, np.ndarray] | None
+    final: bool = False
+    error: GpuserveError | None = None
+    index: int = 0
+
+
+class Offer(Enum):
+    """What :meth:`BufferCore.offer` did with an item."""
+
+    ACCEPTED = "accepted"
+    FULL = "full"  # nothing was added: wait for the consumer, then offer again
+    REFUSED = "refused"  # cancelled, or after the final item: never delivered
+
+
+class BufferCore:
+    """The bounded FIFO of one stream (pure; the caller serialises access).
+
+    Args:
+        capacity: Most items held at once (>= 1).
+
+    Attributes:
+        produced: Items accepted so far.
+        taken: Items the consumer took so far.
+        high_water: Most items held at once so far (never above ``capacity``).
+        cancelled: The consumer cancelled: everything is refused from now on.
+        finished: The final item was accepted.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._items: deque[StreamItem] = deque()
+        self.produced = 0
+        self.taken = 0
+        self.high_water = 0
+        self.cancelled = False
+        self.finished = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def full(self) -> bool:
+        """Whether an offer now would be refused as FULL."""
+        return len(self._items) >= self.capacity
+
+    def offer(self, item: StreamItem) -> Offer:
+        """Add ``item`` unless the buffer is full, cancelled or already finished; its
+        ``index`` is set to its position in the stream."""
+        if self.cancelled or self.finished:
+            return Offer.REFUSED
+        if self.full:
+            return Offer.FULL
+        item.index = self.produced
+        self._items.append(item)
+        self.produced += 1
+        self.finished = item.final
+        self.high_water = max(self.high_water, len(self._items))
+        return Offer.ACCEPTED
+
+    def take(self) -> StreamItem | None:
+        """The oldest item, or None when empty."""
+        if not self._items:
+            return None
+        self.taken += 1
+        return self._items.popleft()
+
+    def cancel(self) -> None:
+        """Drop what is held and refuse everything from now on."""
+        self.cancelled = True
+        self._items.clear()
+
+    @property
+    def drained(self) -> bool:
+        """The final item was taken (or the stream was cancelled): the stream is over."""
+        return self.cancelled or (self.finished and not self._items)
+
+
+class ResponseChannel:
+    """One stream's buffer, shared by the model's thread and the event loop (implements
+    :class:`gpuserve.backends.streaming.ResponseSink`).
+
+    Args:
+        capacity: Most responses held (``max_buffered_responses``).
+        loop: The event loop the consumer runs on.
+        request_id: The client's request id (``""`` for none).
+        parameters: The request's parameters.
+        convert: Turns a model's outputs into checked numpy outputs (raises to fail the
+            response); runs on the producer's thread.
+        to_error: Turns what a model raised or sent as an error into a GpuserveError.
+        probe: True once the client went away (read from the producer's thread too).
+        on_done: Called once on the loop thread when the stream ends: with the final item's
+            error (None on success), or ``"cancelled"``.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        loop: asyncio.AbstractEventLoop,
+        request_id: str = "",
+        parameters: dict[str, Any] | None = None,
+        convert: Callable[[dict[str, Any]], dict[str, np.ndarray]] | None = None,
+        to_error: Callable[[BaseException], GpuserveError] | None = None,
+        probe: Callable[[], bool] | None = None,
+        on_done: Callable[[GpuserveError | str | None], None] | None = None,
+    ) -> None:
+        self.core = BufferCore(capacity)
+        self._loop = loop
+        self._request_id = request_id
+        self._parameters = dict(parameters or {})
+        self._convert = convert
+        self._to_error = to_error
+        self._probe = probe
+        self._on_done = on_done
+        self._done_reported = False
+        self._cond = threading.Condition()
+        self._consumer_waiting = False
+        self._producer_waiting = False
+        self._ready = asyncio.Event()
+
+    # -- ResponseSink (the model's side, any thread) ---------------------------------------
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        """True once the consumer cancelled or the client's probe says it went away."""
+        if self.core.cancelled:
+            return True
+        if self._probe is not None and self._probe():
+            self.cancel()
+            return True
+        return False
+
+    def send(
+        self,
+        outputs: dict[str, Any] | None,
+        *,
+        final: bool = False,
+        error: BaseException | None = None,
+    ) -> bool:
+        """Queue one response (see :class:`~gpuserve.backends.streaming.ResponseSink`);
+        blocks while the buffer is full. Returns False when nothing was queued (cancelled,
+        or after the final response)."""
+        item = self._item(outputs, final, error)
+        with self._cond:
+            while True:
+                verdict = self.core.offer(item)
+                if verdict is not Offer.FULL:
+                    break
+                if self._probe is not None and self._probe():
+                    self._cancel_locked()
+                    return False
+                self._producer_waiting = True
+                self._cond.wait(PROBE_INTERVAL_S if self._probe is not None else None)
+            self._producer_waiting = False
+            wake = verdict is Offer.ACCEPTED and self._consumer_waiting
+            if wake:
+                self._consumer_waiting = False
+        if wake:
+            self._call_on_loop(self._ready.set)
+        return verdict is Offer.ACCEPTED
+
+    def _item(
+        self, outputs: dict[str, Any] | None, final: bool, error: BaseException | None
+    ) -> StreamItem:
+        if error is not None:
+            return StreamItem(None, final, self._error(error))
+        if outputs is None or self._convert is None:
+            return StreamItem(outputs, final)
+        try:
+            return StreamItem(self._convert(outputs), final)
+        except Exception as err:  # a bad response fails that response (the model's bug)
+            return StreamItem(None, final, self._error(err))
+
+    def _error(self, error: BaseException) -> GpuserveError:
+        if isinstance(error, GpuserveError):
+            return error
+        if self._to_error is not None:
+            return self._to_error(error)
+        return GpuserveError(f"{type(error).__name__}: {error}")
+
+    # -- the consumer's side (the event loop) ----------------------------------------------
+
+    async def get(self) -> StreamItem | None:
+        """The next response, waiting for the model; None once the stream was cancelled."""
+        while True:
+            with self._cond:
+                item = self.core.take()
+                if item is not None:
+                    if self._producer_waiting:
+                        self._cond.notify_all()
+                    if item.final:
+                        self._report(item.error)
+                    return item
+                if self.core.cancelled:
+                    return None
+                self._ready.clear()
+                self._consumer_waiting = True
+            await self._ready.wait()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """The client went away or cancelled: drop held responses, refuse later ones, and
+        wake a producer waiting on a full buffer. Idempotent; any thread.
+
+        Args:
+            reason: What the request is counted as (``on_done``'s argument).
+        """
+        with self._cond:
+            if self.core.drained and not self.core.cancelled:
+                return  # the stream already ended normally
+            self._cancel_locked(reason)
+
+    def _cancel_locked(self, reason: str = "cancelled") -> None:
+        if self.core.cancelled:
+            return
+        self.core.cancel()
+        self._cond.notify_all()
+        self._report(reason)
+        self._call_on_loop(self._ready.set)
+
+    def _report(self, outcome: GpuserveError | str | None) -> None:
+        if self._done_reported or self._on_done is None:
+            return
+        self._done_reported = True
+        on_done = self._on_done
+        self._call_on_loop(lambda: on_done(outcome))
+
+    def _call_on_loop(self, callback: Callable[[], None]) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(callback)

@@ -1,0 +1,191 @@
+"""Triton's own Python client examples, unchanged, against gpuserve serving Triton-named models.
+
+The examples are ``src/python/examples`` of ``triton-inference-server/client``, copied to a
+folder outside this repository; point ``GPUSERVE_TRITON_EXAMPLES`` at it (skipped otherwise).
+The server serves :mod:`tests.fixtures.triton_examples` (``simple``, ``simple_string``,
+``simple_identity``, ``simple_int8``, ``custom_identity_int32``, ``densenet_onnx``) in explicit
+mode with every model loaded (the model-control examples unload and load ``simple``) and with
+client shared memory allowed. Each example runs as its own process, with ``-u`` pointing at
+the server (the one example with hard-coded ports runs only when 8000/8001 are free and the
+server could take them); an example passes when it exits 0.
+
+Examples not run here, each with its reason: CUDA shared memory (needs a GPU), DALI
+(``ensemble_image_client``), the two that require the server to call itself "triton", the two
+model-control ones (they count the models of Triton's own example repository: 7 over HTTP, 8
+over gRPC), one that fails outside this area (:data:`KNOWN`), and those whose models belong to
+other areas and are run by those areas' tests with the same variable: sequence batching
+(``tests/integration/test_sequence_batching.py``) and decoupled models
+(``tests/integration/test_decoupled.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.fixtures.triton_examples import write_triton_examples
+from tests.helpers import InProcessServer
+
+EXAMPLES = os.environ.get("GPUSERVE_TRITON_EXAMPLES")
+if not EXAMPLES:
+    pytest.skip(
+        "GPUSERVE_TRITON_EXAMPLES is not set: copy src/python/examples of "
+        "triton-inference-server/client to a folder and point it there",
+        allow_module_level=True,
+    )
+pytest.importorskip("tritonclient.http")
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("PIL")
+
+FOLDER = Path(EXAMPLES)
+RUN_ALL = os.environ.get("GPUSERVE_TRITON_EXAMPLES_ALL") == "1"
+
+#: Examples never run here, and why.
+NOT_RUN = {
+    "simple_grpc_cudashm_client.py": "CUDA shared memory needs a GPU",
+    "simple_http_cudashm_client.py": "CUDA shared memory needs a GPU",
+    "ensemble_image_client.py": "needs NVIDIA DALI (an ensemble with a DALI preprocessing model)",
+    "simple_http_health_metadata.py": "requires the server to call itself 'triton'",
+    "simple_grpc_health_metadata.py": "requires the server to call itself 'triton'",
+    "simple_http_model_control.py": "counts the models of Triton's own example repository (7)",
+    "simple_grpc_model_control.py": "counts the models of Triton's own example repository (8)",
+}
+#: Examples that fail on something outside this area, and why (GPUSERVE_TRITON_EXAMPLES_ALL=1
+#: runs them anyway).
+KNOWN = {
+    "simple_http_aio_infer_client.py": (
+        "aiohttp asks Accept-Encoding: gzip by default and gpuserve compresses every answer "
+        "(Triton only /infer ones); tritonclient.http.aio reads the statistics answer without "
+        "decompressing it"
+    ),
+}
+_SEQUENCE = (
+    "simple_sequence/simple_dyna_sequence: run by tests/integration/test_sequence_batching.py"
+)
+#: Examples whose models belong to other areas, run by those areas' tests.
+OTHER_AREAS = {
+    "simple_grpc_sequence_stream_infer_client.py": _SEQUENCE,
+    "simple_grpc_sequence_sync_infer_client.py": _SEQUENCE,
+    "simple_http_sequence_sync_infer_client.py": _SEQUENCE,
+    "simple_grpc_aio_sequence_stream_infer_client.py": _SEQUENCE,
+    "simple_grpc_custom_repeat.py": (
+        "repeat_int32 (decoupled): run by tests/integration/test_decoupled.py"
+    ),
+}
+IMAGE = ["-m", "densenet_onnx", "-c", "3", "-s", "INCEPTION"]
+#: The runs of each example that needs other arguments than ``-u URL`` (``{image}``: an
+#: image file). image_client.py runs over gRPC: over HTTP it imports ``attrdict``, which does
+#: not import on Python >= 3.10.
+RUNS = {
+    "image_client.py": [[*IMAGE, "-i", "grpc", "{image}"]],
+    "grpc_image_client.py": [[*IMAGE, "{image}"]],
+    "reuse_infer_objects_client.py": [["-i", "http"], ["-i", "grpc"]],
+    "memory_growth_test.py": [["-r", "20", "-i", "http"], ["-r", "20", "-i", "grpc"]],
+}
+#: Run last: they unload and load 'simple'.
+LAST = ("simple_http_model_control.py", "simple_grpc_model_control.py")
+
+
+def _ports_free(*ports: int) -> bool:
+    for port in ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def _examples() -> list[str]:
+    names = sorted(p.name for p in FOLDER.glob("*.py"))
+    return [n for n in names if n not in LAST] + [n for n in LAST if n in names]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = write_triton_examples(tmp_path_factory.mktemp("triton") / "models")
+    settings = {
+        "model_control_mode": "explicit",
+        "load_model": ["*"],
+        "allow_client_shm": True,
+    }
+    running = None
+    if _ports_free(8000, 8001):  # memory_growth_test.py has localhost:8000/8001 written in
+        try:
+            running = _FixedPortServer(root, **settings)
+        except Exception:  # taken meanwhile
+            running = None
+    fixed = running is not None
+    if running is None:
+        running = InProcessServer(root, **settings)
+    running.fixed_ports = fixed
+    yield running
+    running.stop()
+
+
+class _FixedPortServer(InProcessServer):
+    """InProcessServer on HTTP 8000 and gRPC 8001 (Triton's defaults)."""
+
+    def __init__(self, repository: Path, **settings) -> None:
+        import gpuserve.config
+
+        original = gpuserve.config.ServerConfig
+
+        def fixed(**kwargs):
+            kwargs["http_port"] = 8000
+            return original(**kwargs)
+
+        settings["grpc_port"] = 8001
+        gpuserve.config.ServerConfig = fixed  # type: ignore[misc]
+        try:
+            super().__init__(repository, **settings)
+        finally:
+            gpuserve.config.ServerConfig = original  # type: ignore[misc]
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (256, 256, 3), dtype=np.uint8)
+    path = tmp_path_factory.mktemp("image") / "mug.png"
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def _commands(name: str, server, image: Path) -> list[list[str]]:
+    commands = []
+    for extra in RUNS.get(name, [[]]):
+        grpc = "grpc" in name or "grpc" in extra
+        url = server.grpc_url if grpc else server.url.removeprefix("http://")
+        command = [sys.executable, str(FOLDER / name)]
+        if name != "memory_growth_test.py":  # localhost:8000/8001 written in
+            command += ["-u", url]
+        commands.append(command + [arg.format(image=image) for arg in extra])
+    return commands
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _examples())
+def test_example_runs_unchanged(name, server, image):
+    if name in NOT_RUN:
+        pytest.skip(NOT_RUN[name])
+    if name in OTHER_AREAS:
+        pytest.skip(OTHER_AREAS[name])
+    if name == "memory_growth_test.py" and not server.fixed_ports:
+        pytest.skip("hard-codes localhost:8000/8001, which are taken on this machine")
+    if name in KNOWN and not RUN_ALL:
+        pytest.skip(f"fails outside this area: {KNOWN[name]}")
+    runs = _commands(name, server, image)
+    for command in runs:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (
+            f"{' '.join(command[1:])} exited {done.returncode}\n"
+            f"stdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}"
+        )
