@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from gpuserve.config_base import Strict as _Strict
+from gpuserve.config_base import check_dims
 from gpuserve.config_embedding import EmbeddingConfig, embedding_problem
 from gpuserve.config_ensemble import EnsembleConfig, graph_problem
 from gpuserve.config_keys import unknown_key_hint
@@ -77,10 +78,7 @@ class TensorSpec(_Strict):
     @field_validator("shape")
     @classmethod
     def _dims(cls, shape: list[int]) -> list[int]:
-        for dim in shape:
-            if dim < -1 or dim == 0:
-                raise ValueError(f"each dim must be a positive integer or -1, got {dim}")
-        return shape
+        return check_dims(shape)
 
 
 class AdaptiveBatchingConfig(_Strict):

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpuserve.config_base import check_dims
 from gpuserve.datatypes import Datatype
 
 if TYPE_CHECKING:
@@ -135,10 +136,7 @@ class StateSpec(_Section):
     @field_validator("shape")
     @classmethod
     def _dims(cls, shape: list[int]) -> list[int]:
-        for dim in shape:
-            if dim < -1 or dim == 0:
-                raise ValueError(f"each dim must be a positive integer or -1, got {dim}")
-        return shape
+        return check_dims(shape)
 
     @model_validator(mode="after")
     def _check(self) -> StateSpec:

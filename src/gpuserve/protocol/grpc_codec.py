@@ -44,9 +44,11 @@ from gpuserve.errors import InvalidInputError
 from gpuserve.protocol.extension_params import SHM_KEYS, SharedMemoryReader, shm_ref
 from gpuserve.protocol.outputs import (
     OutputOptions,
+    find_spec,
     output_datatype,
     output_extensions,
     output_payload,
+    spec_names,
 )
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.shapes import (
@@ -94,17 +96,6 @@ def parameter_value(param: pb.InferParameter) -> Any:
     """The Python value of an ``InferParameter`` (None when no choice is set)."""
     choice = param.WhichOneof("parameter_choice")
     return None if choice is None else getattr(param, choice)
-
-
-def _spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
-    for spec in specs:
-        if spec.name == name:
-            return spec
-    return None
-
-
-def _names(specs: list[TensorSpec]) -> str:
-    return ", ".join(repr(spec.name) for spec in specs)
 
 
 def _non_negative_int(params: dict[str, Any], key: str) -> int | None:
@@ -205,11 +196,11 @@ def _decode_outputs(
     names: list[str] = []
     for item in outputs:
         name = item.name
-        spec = _spec(config.outputs, name)
+        spec = find_spec(config.outputs, name)
         if spec is None:
             raise InvalidInputError(
                 f"output {name!r} is not an output of model {model_name!r}; its outputs "
-                f"are {_names(config.outputs)}"
+                f"are {spec_names(config.outputs)}"
             )
         if name in names:
             raise InvalidInputError(f"output {name!r} is requested more than once")
@@ -253,7 +244,7 @@ def decode_infer_request(
     inputs = message.inputs
     if not inputs:
         raise InvalidInputError(
-            f"'inputs' is empty; model {model_name!r} expects {_names(config.inputs)}"
+            f"'inputs' is empty; model {model_name!r} expects {spec_names(config.inputs)}"
         )
     raw = message.raw_input_contents
     # inputs whose data travel in the message (not those naming a shared-memory region)
@@ -268,11 +259,11 @@ def decode_infer_request(
     index = -1  # of the input's entry in raw_input_contents
     for tensor in inputs:
         name = tensor.name
-        spec = _spec(config.inputs, name)
+        spec = find_spec(config.inputs, name)
         if spec is None:
             raise InvalidInputError(
                 f"input {name!r} is not an input of model {model_name!r}; its inputs are "
-                f"{_names(config.inputs)}"
+                f"{spec_names(config.inputs)}"
             )
         if name in arrays:
             raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")

@@ -49,15 +49,17 @@ from gpuserve.protocol.outputs import OutputOptions as OutputOptions
 from gpuserve.protocol.outputs import _fixed_size_output as _fixed_size_output
 from gpuserve.protocol.outputs import declared_output as declared_output
 from gpuserve.protocol.outputs import (
+    find_spec,
     output_datatype,
     output_extensions,
     output_payload,
+    spec_names,
 )
 from gpuserve.protocol.shapes import json_type, show, validate_request_shapes
 from gpuserve.protocol.tensors import build_input
 
 if TYPE_CHECKING:
-    from gpuserve.config import ModelConfig, TensorSpec
+    from gpuserve.config import ModelConfig
     from gpuserve.protocol.limits import RequestLimits
 
 HEADER_LENGTH_HEADER = "Inference-Header-Content-Length"
@@ -113,17 +115,6 @@ def parse_header_length(value: str | None) -> int | None:
     return int(text)
 
 
-def _spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
-    for spec in specs:
-        if spec.name == name:
-            return spec
-    return None
-
-
-def _names(specs: list[TensorSpec]) -> str:
-    return ", ".join(repr(spec.name) for spec in specs)
-
-
 def _non_negative_int(params: dict[str, Any], key: str) -> int | None:
     value = params.get(key)
     if value is None:
@@ -160,11 +151,11 @@ def _decode_outputs(
             raise InvalidInputError(
                 f"outputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
             )
-        spec = _spec(config.outputs, name)
+        spec = find_spec(config.outputs, name)
         if spec is None:
             raise InvalidInputError(
                 f"output {name!r} is not an output of model {model_name!r}; its outputs "
-                f"are {_names(config.outputs)}"
+                f"are {spec_names(config.outputs)}"
             )
         if name in names:
             raise InvalidInputError(f"output {name!r} is requested more than once")
@@ -351,14 +342,14 @@ def _decode_document(
     if type(inputs) is not list:
         if inputs is None:
             raise InvalidInputError(
-                f"request has no 'inputs'; model {model_name!r} expects {_names(config.inputs)}"
+                f"request has no 'inputs'; model {model_name!r} expects {spec_names(config.inputs)}"
             )
         raise InvalidInputError(
             f"'inputs' must be a JSON array of input objects, got {json_type(inputs)}"
         )
     if not inputs:
         raise InvalidInputError(
-            f"'inputs' is empty; model {model_name!r} expects {_names(config.inputs)}"
+            f"'inputs' is empty; model {model_name!r} expects {spec_names(config.inputs)}"
         )
 
     arrays: dict[str, np.ndarray] = {}
@@ -374,11 +365,11 @@ def _decode_document(
             raise InvalidInputError(
                 f"inputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
             )
-        spec = _spec(config.inputs, name)
+        spec = find_spec(config.inputs, name)
         if spec is None:
             raise InvalidInputError(
                 f"input {name!r} is not an input of model {model_name!r}; its inputs are "
-                f"{_names(config.inputs)}"
+                f"{spec_names(config.inputs)}"
             )
         if name in arrays:
             raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")

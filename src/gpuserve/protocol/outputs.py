@@ -25,14 +25,16 @@ if TYPE_CHECKING:
     from gpuserve.config import ModelConfig, TensorSpec
 
 
-def _spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
+def find_spec(specs: list[TensorSpec], name: str) -> TensorSpec | None:
+    """The declared tensor called ``name`` among ``specs``, or None."""
     for spec in specs:
         if spec.name == name:
             return spec
     return None
 
 
-def _names(specs: list[TensorSpec]) -> str:
+def spec_names(specs: list[TensorSpec]) -> str:
+    """The names of ``specs``, quoted and comma-separated, for error messages."""
     return ", ".join(repr(spec.name) for spec in specs)
 
 
@@ -134,11 +136,11 @@ def declared_output(config: ModelConfig, name: str, array: Any) -> TensorSpec:
     Raises:
         BackendError: the model does not declare ``name``, or ``array`` is not an ndarray.
     """
-    spec = _spec(config.outputs, name)
+    spec = find_spec(config.outputs, name)
     if spec is None:
         raise BackendError(
             f"model returned output {name!r}, which it does not declare "
-            f"(declared: {_names(config.outputs)})"
+            f"(declared: {spec_names(config.outputs)})"
         )
     if not isinstance(array, np.ndarray):
         raise BackendError(

@@ -217,7 +217,12 @@ class OnDemand:
             ]
             ok = model.route.default is not None
             if ok:
-                model.memory_bytes = footprint.footprint(before, after, devices)
+                # the largest of its loads: one load can undercount (memory freed by another
+                # model just before is reused, so the RSS delta misses it), never overcount
+                # by much, and a limit must not let one model too many in
+                measured = footprint.footprint(before, after, devices)
+                earlier = self._measured.get(model.name, {})
+                model.memory_bytes = {k: max(v, earlier.get(k, 0)) for k, v in measured.items()}
                 self._measured[model.name] = dict(model.memory_bytes)
                 model.loaded_at_s = self.clock()
                 model.evicted = None
