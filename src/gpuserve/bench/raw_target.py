@@ -12,39 +12,19 @@ content itself before the load.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from typing import Any
 
-from gpuserve.bench.http_client import HttpConnection, build_request, is_https, split_url
+from gpuserve.bench.http_client import build_request, is_https, split_url
 from gpuserve.bench.http_client import tls_context as _tls_context
+from gpuserve.bench.targets import HttpSession, Outcome
 
-Outcome = tuple[str, int, int]
 
+class RawHttpSession(HttpSession):
+    """One keep-alive connection; any reply's status is its outcome (no timing headers)."""
 
-class RawHttpSession:
-    """One keep-alive connection; reconnects after the server closes it."""
-
-    def __init__(self, target: RawHttpTarget) -> None:
-        self.target = target
-        self.conn: HttpConnection | None = None
-        self.started_s = 0.0
-
-    async def infer(self, index: int) -> Outcome:
-        target = self.target
-        conn = self.conn
-        if conn is None or conn.closed:
-            conn = self.conn = await HttpConnection.open(target.host, target.port, target.ssl)
-        self.started_s = time.perf_counter()
-        try:
-            response = await conn.request(target.requests[index % target.samples])
-        finally:
-            self.started_s = 0.0
+    def outcome(self, response: Any) -> Outcome:
         return str(response.status), -1, -1
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
 
 
 class RawHttpTarget:

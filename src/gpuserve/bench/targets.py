@@ -58,10 +58,20 @@ def _int_header(value: str | None) -> int:
         return -1
 
 
+class HttpEndpoint(Protocol):
+    """What a session needs of its target: where to connect and the encoded requests."""
+
+    host: str
+    port: int
+    ssl: Any
+    requests: list[bytes]
+    samples: int
+
+
 class HttpSession:
     """One keep-alive connection; reconnects after the server closes it."""
 
-    def __init__(self, target: HttpTarget) -> None:
+    def __init__(self, target: HttpEndpoint) -> None:
         self.target = target
         self.conn: HttpConnection | None = None
         self.started_s = 0.0  # when the request in flight was sent; 0 = none
@@ -76,6 +86,10 @@ class HttpSession:
             response = await conn.request(target.requests[index % target.samples])
         finally:
             self.started_s = 0.0
+        return self.outcome(response)
+
+    def outcome(self, response: Any) -> Outcome:
+        """Status and the server's queue / compute microseconds (-1 where not sent)."""
         headers = response.headers
         return (
             _STATUS_TEXT.get(response.status) or str(response.status),
