@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from gpuserve.repository import footprint
 from gpuserve.server import memory
 from gpuserve.server.memory import (
     M_ARENA_MAX,
@@ -155,6 +156,25 @@ def test_the_driver_trims_when_cpu_use_stops_and_records_it():
     assert record.took_s == pytest.approx(0.02)
     assert record.at_s == pytest.approx(5.0 + 1.5)  # first quiet tick at 5.5, + idle_s
     assert driver.records == [record]
+
+
+def test_the_driver_waits_while_a_load_is_measured():
+    clocks, lib = Clocks(), FakeLib()
+    driver = make_driver(clocks, lib)
+    for _ in range(4):  # busy
+        clocks.now_s += 0.5
+        clocks.cpu_s += 0.5
+        driver.step()
+    with footprint.measuring():
+        assert footprint.measuring_now()
+        for _ in range(10):  # quiet, but a model's footprint is being measured
+            clocks.now_s += 0.5
+            assert driver.step() is None
+    assert not footprint.measuring_now()
+    assert lib.trims == 0
+    clocks.now_s += 0.5
+    assert driver.step() is not None  # the trim it owed, at the first tick after the window
+    assert lib.trims == 1
 
 
 def test_the_driver_thread_starts_and_stops():

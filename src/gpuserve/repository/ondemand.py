@@ -206,9 +206,11 @@ class OnDemand:
             if not take_config(model, entry, reset=False):
                 logger.error("model %s cannot be loaded: %s", model.name, model.error)
                 return
-            before = footprint.sample()
-            await manager._executor.reconcile(model, entry, Change(retry_failed=True))
-            after = footprint.sample()
+            await loop.run_in_executor(None, footprint.collect_garbage)
+            with footprint.measuring():
+                before = footprint.sample()
+                await manager._executor.reconcile(model, entry, Change(retry_failed=True))
+                after = footprint.sample()
             devices = [
                 instance.context.device
                 for mv in model.versions.values()

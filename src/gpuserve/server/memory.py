@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from gpuserve.repository.footprint import measuring_now
+
 logger = logging.getLogger(__name__)
 
 #: ``mallopt`` parameters of glibc's ``<malloc.h>``.
@@ -237,6 +239,9 @@ class TrimDriver:
         clock: Monotonic seconds (injected for tests).
         cpu_s: CPU seconds used so far (injected for tests).
         rss: Resident bytes (for the log and :attr:`records`).
+        paused: True while trims must wait (default: a model load is being measured, see
+            :func:`gpuserve.repository.footprint.measuring_now`: a trim inside the window
+            would make the model look smaller by what the trim returned).
     """
 
     def __init__(
@@ -249,6 +254,7 @@ class TrimDriver:
         clock: Callable[[], float] = time.monotonic,
         cpu_s: Callable[[], float] = process_cpu_s,
         rss: Callable[[], int] = rss_bytes,
+        paused: Callable[[], bool] = measuring_now,
     ) -> None:
         self.malloc = malloc
         self.policy = policy
@@ -257,6 +263,7 @@ class TrimDriver:
         self._clock = clock
         self._cpu_s = cpu_s
         self._rss = rss
+        self._paused = paused
         self._last_s = clock()
         self._last_cpu_s = cpu_s()
         self._stop = threading.Event()
@@ -270,8 +277,8 @@ class TrimDriver:
         elapsed_s = max(now_s - self._last_s, 1e-9)
         busy = (cpu_s - self._last_cpu_s) > self.busy_cpu_fraction * elapsed_s
         self._last_s, self._last_cpu_s = now_s, cpu_s
-        if not self.policy.tick(now_s, busy):
-            return None
+        if not self.policy.tick(now_s, busy) or self._paused():
+            return None  # paused: the policy asks again at the next tick
         before = self._rss()
         self.malloc.trim()
         done_s = self._clock()
