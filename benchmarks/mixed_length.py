@@ -189,6 +189,8 @@ def inprocess(args: argparse.Namespace, layout: servers.Layout, mix: Mix) -> lis
         str(mix.path),
         "--seconds",
         str(args.inprocess_seconds),
+        "--warmup",
+        str(args.warmup),  # as a served point's: the same texts measured at batch 1 / c=1
         "--modes",
         args.inprocess_modes,
         "--threads",

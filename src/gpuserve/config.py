@@ -29,6 +29,7 @@ from gpuserve.config_ensemble import EnsembleConfig, graph_problem
 from gpuserve.config_keys import unknown_key_hint
 from gpuserve.config_padding import padding_problem
 from gpuserve.config_sequence import SequenceBatchingConfig, sequence_problem
+from gpuserve.config_warmup import WarmupSample, WarmupTarget, warmup_problem
 from gpuserve.datatypes import Datatype
 from gpuserve.errors import ConfigError
 
@@ -357,6 +358,8 @@ class ModelConfig(_Strict):
             with a stream of responses (see ``TransactionPolicyConfig``; backend python).
         sequence_batching: Serve a stateful model with the sequence batcher (see
             :mod:`gpuserve.config_sequence`); None: the dynamic batcher.
+        model_warmup: Requests each instance runs before the version serves (Triton's
+            ``model_warmup``, see :mod:`gpuserve.config_warmup`).
     """
 
     name: str | None = None
@@ -382,6 +385,7 @@ class ModelConfig(_Strict):
     model_transaction_policy: TransactionPolicyConfig = Field(
         default_factory=TransactionPolicyConfig
     )
+    model_warmup: list[WarmupSample] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -437,6 +441,15 @@ class ModelConfig(_Strict):
             if problem is not None:
                 raise ValueError(problem)
         return ensemble
+
+    @field_validator("model_warmup")
+    @classmethod
+    def _warmup(cls, samples: list[WarmupSample], info: Any) -> list[WarmupSample]:
+        # Reported on field 'model_warmup'; the fields it is checked against come before it.
+        problem = warmup_problem(samples, WarmupTarget.of_fields(info.data))
+        if problem is not None:
+            raise ValueError(problem)
+        return samples
 
     @model_validator(mode="after")
     def _check_embedding(self) -> ModelConfig:

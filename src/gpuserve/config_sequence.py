@@ -19,8 +19,9 @@ A model with this section is served by the sequence batcher
         - {input_name: SUM_IN, output_name: SUM_OUT, datatype: FP32, shape: [1]}
 
 Control inputs and states are not declared under ``inputs``/``outputs``: clients never send
-them; the model receives them like any input (batch dimension first, one row per sequence)
-and returns each state's ``output_name`` like any output (it is kept, not sent back).
+them; the model receives them like any input (batch dimension first, one row per sequence;
+with ``direct``, one row per slot) and returns each state's ``output_name`` like any output
+(it is kept, not sent back).
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ class StateSpec(_Section):
 
 class DirectStrategy(_Section):
     """Triton's ``direct`` strategy: each instance has ``max_batch_size`` slots (one if the
-    model does not batch); a sequence holds one slot for its life, and a batch carries the
-    slots whose sequences have a request waiting, in slot order.
+    model does not batch); a sequence holds one slot for its life, and a batch is laid out by
+    slot: row ``i`` is slot ``i``, up to the highest slot with a request waiting, a slot with
+    none being a filler row with READY false (see :mod:`gpuserve.engine.sequence_layout`).
 
     Attributes:
         max_queue_delay_us: Longest a ready slot waits for other slots to fill, microseconds.

@@ -73,6 +73,14 @@ class BackendError(GpuserveError):
     reason = "backend_error"
 
 
+class RepositoryPollError(BackendError):
+    """Files sent with a load request cannot be laid out as a model folder (a path that is
+    absolute, holds ``..`` or a component over 255 bytes): HTTP 500, gRPC INTERNAL, with
+    Triton's ``failed to poll from model repository`` wording, as Triton answers it."""
+
+    reason = "repository_poll"
+
+
 class OutOfMemoryError(GpuserveError):
     """The device ran out of memory for this request even after the batch was split; the
     allocator cache was freed and a retry may succeed (HTTP 503, gRPC RESOURCE_EXHAUSTED)."""

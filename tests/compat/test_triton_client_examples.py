@@ -4,18 +4,20 @@ The examples are ``src/python/examples`` of ``triton-inference-server/client``, 
 folder outside this repository; point ``GPUSERVE_TRITON_EXAMPLES`` at it (skipped otherwise).
 The server serves :mod:`tests.fixtures.triton_examples` (``simple``, ``simple_string``,
 ``simple_identity``, ``simple_int8``, ``custom_identity_int32``, ``densenet_onnx``) in explicit
-mode with every model loaded (the model-control examples unload and load ``simple``) and with
-client shared memory allowed. Each example runs as its own process, with ``-u`` pointing at
-the server (the one example with hard-coded ports runs only when 8000/8001 are free and the
-server could take them); an example passes when it exits 0.
+mode with every model loaded and with client shared memory allowed. Each example runs as its
+own process, with ``-u`` pointing at the server (the one example with hard-coded ports runs
+only when 8000/8001 are free and the server could take them); an example passes when it exits
+0.
 
 Examples not run here, each with its reason: CUDA shared memory (needs a GPU), DALI
-(``ensemble_image_client``), the two that require the server to call itself "triton", the two
-model-control ones (they count the models of Triton's own example repository: 7 over HTTP, 8
-over gRPC), one that fails outside this area (:data:`KNOWN`), and those whose models belong to
+(``ensemble_image_client``), the two that require the server to call itself "triton", any
+that fails outside this area (:data:`KNOWN`, empty now), and those whose models belong to
 other areas and are run by those areas' tests with the same variable: sequence batching
 (``tests/integration/test_sequence_batching.py``) and decoupled models
-(``tests/integration/test_decoupled.py``).
+(``tests/integration/test_decoupled.py``). The two model-control examples count the models of
+Triton's own example repository (7 over HTTP, 8 over gRPC): :func:`test_model_control_example`
+runs each against a server of its own whose repository holds that many models
+(:func:`~tests.fixtures.triton_examples.write_model_control_examples`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.fixtures.triton_examples import write_triton_examples
+from tests.fixtures.triton_examples import write_model_control_examples, write_triton_examples
 from tests.helpers import InProcessServer
 
 EXAMPLES = os.environ.get("GPUSERVE_TRITON_EXAMPLES")
@@ -53,18 +55,10 @@ NOT_RUN = {
     "ensemble_image_client.py": "needs NVIDIA DALI (an ensemble with a DALI preprocessing model)",
     "simple_http_health_metadata.py": "requires the server to call itself 'triton'",
     "simple_grpc_health_metadata.py": "requires the server to call itself 'triton'",
-    "simple_http_model_control.py": "counts the models of Triton's own example repository (7)",
-    "simple_grpc_model_control.py": "counts the models of Triton's own example repository (8)",
 }
 #: Examples that fail on something outside this area, and why (GPUSERVE_TRITON_EXAMPLES_ALL=1
 #: runs them anyway).
-KNOWN = {
-    "simple_http_aio_infer_client.py": (
-        "aiohttp asks Accept-Encoding: gzip by default and gpuserve compresses every answer "
-        "(Triton only /infer ones); tritonclient.http.aio reads the statistics answer without "
-        "decompressing it"
-    ),
-}
+KNOWN: dict[str, str] = {}
 _SEQUENCE = (
     "simple_sequence/simple_dyna_sequence: run by tests/integration/test_sequence_batching.py"
 )
@@ -88,8 +82,9 @@ RUNS = {
     "reuse_infer_objects_client.py": [["-i", "http"], ["-i", "grpc"]],
     "memory_growth_test.py": [["-r", "20", "-i", "http"], ["-r", "20", "-i", "grpc"]],
 }
-#: Run last: they unload and load 'simple'.
-LAST = ("simple_http_model_control.py", "simple_grpc_model_control.py")
+#: The model-control examples, each with the number of models its repository index must
+#: hold; run by :func:`test_model_control_example`, each against a server of its own.
+MODEL_CONTROL = {"simple_http_model_control.py": 7, "simple_grpc_model_control.py": 8}
 
 
 def _ports_free(*ports: int) -> bool:
@@ -103,8 +98,7 @@ def _ports_free(*ports: int) -> bool:
 
 
 def _examples() -> list[str]:
-    names = sorted(p.name for p in FOLDER.glob("*.py"))
-    return [n for n in names if n not in LAST] + [n for n in LAST if n in names]
+    return sorted(p.name for p in FOLDER.glob("*.py") if p.name not in MODEL_CONTROL)
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +183,22 @@ def test_example_runs_unchanged(name, server, image):
             f"{' '.join(command[1:])} exited {done.returncode}\n"
             f"stdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODEL_CONTROL))
+def test_model_control_example(name, tmp_path):
+    if not (FOLDER / name).is_file():
+        pytest.skip(f"{name} is not in {FOLDER}")
+    root = write_model_control_examples(tmp_path / "models", MODEL_CONTROL[name])
+    running = InProcessServer(root, model_control_mode="explicit", load_model=["simple"])
+    try:
+        url = running.grpc_url if "grpc" in name else running.url.removeprefix("http://")
+        command = [sys.executable, str(FOLDER / name), "-u", url]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        running.stop()
+    assert done.returncode == 0 and "PASS: model control" in done.stdout, (
+        f"{name} exited {done.returncode}\nstdout: {done.stdout[-2000:]}\n"
+        f"stderr: {done.stderr[-2000:]}"
+    )

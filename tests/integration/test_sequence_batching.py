@@ -6,6 +6,9 @@ real clients (httpx, tritonclient HTTP and gRPC).
   instance, and sequences share batches;
 * the 400s (no sequence id; an id that is not live), a START that restarts a live sequence;
 * idle sequences released after ``max_sequence_idle_us`` and counted in ``/metrics``;
+* ``direct`` batches laid out by slot: ``slot_accumulator`` (a Triton Python model keeping a
+  running sum per row position) under 12 concurrent sequences over its 4 slots, with the
+  READY = 0 rows of idle slots it sees, and statistics that count only real requests;
 * Triton's own sequence client examples, unchanged, when ``GPUSERVE_TRITON_EXAMPLES`` names
   the folder holding them (copied from github.com/triton-inference-server/client,
   ``src/python/examples``); skipped with a line saying so otherwise.
@@ -243,3 +246,69 @@ def test_triton_sequence_client_examples_pass_unchanged(server, script, dyna):
     command = [sys.executable, str(path), "-u", address] + (["-d"] if dyna else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+
+
+def test_direct_batches_are_laid_out_by_slot_for_a_model_that_keeps_state_per_row(server):
+    """``slot_accumulator`` (a Triton Python model, ``direct``, 4 slots on 1 instance) keeps a
+    running sum per row position: 12 concurrent sequences over its 4 slots each get their own
+    sums, always from the same row; an idle slot is a READY = 0 row the model sees."""
+    import tritonclient.grpc.aio as aioclient
+
+    model = "slot_accumulator"
+    rng = random.Random(23)
+    sequences = {
+        500 + n: [rng.randint(-100, 100) for _ in range(rng.randint(1, 10))] for n in range(12)
+    }
+    pauses = {sid: [rng.uniform(0, 0.004) for _ in values] for sid, values in sequences.items()}
+
+    def tensor(value: int) -> aioclient.InferInput:
+        value_in = aioclient.InferInput("INPUT", [1, 1], "INT32")
+        value_in.set_data_from_numpy(np.array([[value]], np.int32))
+        return value_in
+
+    async def run(client, sid: int, values: list[int]) -> list[tuple[int, int, int]]:
+        got = []
+        for index, value in enumerate(values):
+            result = await client.infer(
+                model,
+                [tensor(value)],
+                sequence_id=sid,
+                sequence_start=index == 0,
+                sequence_end=index == len(values) - 1,
+            )
+            got.append(
+                tuple(int(result.as_numpy(n)[0, 0]) for n in ("OUTPUT", "SLOT", "IDLE_SLOTS"))
+            )
+            await asyncio.sleep(pauses.get(sid, [0.0] * len(values))[index])
+        return got
+
+    async def main():
+        async with aioclient.InferenceServerClient(server.grpc_url) as client:
+            together = await asyncio.gather(*(run(client, s, v) for s, v in sequences.items()))
+            # Two sequences take slots 0 and 1 of the idle instance; then only the one in
+            # slot 1 sends: its batch has row 0 as an idle (READY = 0) slot.
+            first = await run(client, 1, [5])  # 1 request: START and END, slot 0 then free
+            a = await client.infer(model, [tensor(7)], sequence_id=2, sequence_start=True)
+            b = await client.infer(model, [tensor(3)], sequence_id=3, sequence_start=True)
+            b2 = await client.infer(model, [tensor(4)], sequence_id=3, sequence_end=True)
+            a2 = await client.infer(model, [tensor(1)], sequence_id=2, sequence_end=True)
+            alone = [
+                tuple(int(r.as_numpy(n)[0, 0]) for n in ("OUTPUT", "SLOT", "IDLE_SLOTS"))
+                for r in (a, b, b2, a2)
+            ]
+            return together, first, alone
+
+    together, first, alone = asyncio.run(main())
+    for (sid, values), got in zip(sequences.items(), together, strict=True):
+        assert [sums for sums, _, _ in got] == list(np.cumsum(values)), sid
+        assert len({slot for _, slot, _ in got}) == 1, (sid, got)  # one row for its life
+        assert all(0 <= slot < 4 and idle < 4 for _, slot, idle in got), got
+    assert first == [(5, 0, 0)]
+    # sequence 2 holds slot 0 and sequence 3 slot 1; 3 runs alone behind an idle row 0
+    assert alone == [(7, 0, 0), (3, 1, 1), (7, 1, 1), (8, 0, 0)]
+    total = sum(len(v) for v in sequences.values()) + 5
+    stats = httpx.get(f"{server.url}/v2/models/{model}/stats").json()["model_stats"][0]
+    assert stats["inference_count"] == total  # requests only: READY = 0 rows are no inference
+    executed = sum(int(b["batch_size"]) * b["compute_infer"]["count"] for b in stats["batch_stats"])
+    assert executed > total  # the executed batch sizes count the idle rows
+    assert scheduler(server, model).batcher.sequence_stats().live == 0

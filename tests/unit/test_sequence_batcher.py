@@ -1,7 +1,8 @@
 """The sequence batcher inside the scheduling core, on a fake clock (no threads, no sleeps).
 
 The tests play the instances: ``run`` computes a running-sum model over the batch the core
-dispatched (state in, state out, controls read from the rows), as a real instance would.
+dispatched (state in, state out, controls read from the rows; READY false rows get garbage),
+as a real instance would.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import pytest
 
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.engine.assembly import OutputSpec, split_outputs, stack_inputs
-from gpuserve.engine.batch import BatchResult, Pending
+from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.scheduling import InFlight, SchedulerCore
 from gpuserve.engine.sequence import SequenceBatch, SequenceBatcher
+from gpuserve.engine.sequence_layout import FillerRow
+from gpuserve.engine.stats import BatchStats
 from gpuserve.errors import BackendError, InvalidInputError, OverloadedError
 
 
@@ -35,21 +38,28 @@ CONTROLS = [
 ]
 
 
-def config(strategy: dict | None = None, max_batch_size: int = 4, **seq) -> ModelConfig:
+def config(
+    strategy: dict | None = None,
+    max_batch_size: int = 4,
+    shape: tuple[int, ...] = (1,),
+    timeout_s: float = 0.0,
+    **seq,
+) -> ModelConfig:
+    """The running-sum model (``shape``: of X and of its state)."""
+    state = {"input_name": "SUM_IN", "output_name": "SUM_OUT", "datatype": "FP32"}
     section = {
         "control_inputs": CONTROLS,
-        "states": [
-            {"input_name": "SUM_IN", "output_name": "SUM_OUT", "datatype": "FP32", "shape": [1]}
-        ],
+        "states": [{**state, "shape": list(shape)}],
         **(strategy or {}),
         **seq,
     }
     return ModelConfig(
         name="running_sum",
         max_batch_size=max_batch_size,
-        inputs=[TensorSpec(name="X", datatype="FP32", shape=[1])],
-        outputs=[TensorSpec(name="SUM", datatype="FP32", shape=[1])],
+        inputs=[TensorSpec(name="X", datatype="FP32", shape=list(shape))],
+        outputs=[TensorSpec(name="SUM", datatype="FP32", shape=list(shape))],
         sequence_batching=section,
+        execution_timeout_s=timeout_s,
     )
 
 
@@ -75,11 +85,12 @@ SPEC = OutputSpec("running_sum", ("SUM",), batched=True)
 
 
 def run(record: InFlight[Worker], at: float = 0.0, drop_state: bool = False) -> BatchResult:
-    """A running-sum model: SUM_OUT = SUM_IN + X, SUM = SUM_OUT (+1000 * END)."""
+    """A running-sum model: SUM_OUT = SUM_IN + X, SUM = SUM_OUT (+1000 * END); a row with
+    READY false (a direct batch's filler row) gets -999 in both."""
     batch = record.batch
     x = stack_inputs(batch.items)
-    assert x["READY"].dtype == np.bool_ and x["READY"].all()
-    total = x["SUM_IN"] + x["X"]
+    assert x["READY"].dtype == np.bool_ and x["READY"].shape == (batch.rows, 1)
+    total = np.where(x["READY"], x["SUM_IN"] + x["X"], np.float32(-999.0))
     outputs = {"SUM": total + 1000 * x["END"], "SUM_OUT": total}
     results = split_outputs(SPEC, batch.items, outputs)
     if drop_state:  # a backend that answers without the state output
@@ -288,16 +299,17 @@ def test_a_failed_request_keeps_the_state_and_a_missing_state_output_is_an_error
     assert answer(ok) == 5.0  # 4 + 1: neither failure changed the state
 
 
-def test_a_batch_retried_in_halves_keeps_its_sequences_running() -> None:
-    core = core_with()
+def test_a_failed_oldest_batch_fails_its_requests_without_halves() -> None:
+    core = core_with(cfg=config({"oldest": {"max_candidate_sequences": 4}}))
     a = core.admit(req(1, 1.0, start=True), 0.0)
     b = core.admit(req(2, 2.0, start=True), 0.0)
     (record,) = core.schedule(0.0).dispatched
-    core.complete(BatchResult(record.batch, error=BackendError("oom"), retryable=True), 0.0)
-    later = core.admit(req(1, 1.0), 0.0)
-    for _ in range(3):
-        step(core, 0.1)
-    assert [answer(a), answer(b), answer(later)] == [1.0, 2.0, 2.0]
+    done = core.complete(BatchResult(record.batch, error=BackendError("oom"), retryable=True), 0.0)
+    assert list(done.finished) == [a, b] and not done.retried and not core.retrying
+    assert isinstance(a.outcome, BackendError) and isinstance(b.outcome, BackendError)
+    later = core.admit(req(1, 1.0), 0.0)  # the sequence lives on; the failure left its state
+    step(core, 0.1)
+    assert answer(later) == 1.0
 
 
 def test_cancel_expire_and_queue_limit() -> None:
@@ -314,8 +326,8 @@ def test_cancel_expire_and_queue_limit() -> None:
     gone[0] = True
     plan = core.schedule(0.0)
     assert [
-        [i.request.parameters["sequence_id"] for i in r.batch.items] for r in plan.dispatched
-    ] == [[2]]
+        [i.request.parameters.get("sequence_id") for i in r.batch.items] for r in plan.dispatched
+    ] == [[None, 2]]  # sequence 1 (slot 0) has nothing ready: a filler row
     assert [i.request is probe for i in plan.finished] == [True]  # cancelled, never run
     core.complete(run(plan.dispatched[0]), 0.0)
     late = req(2, 1.0)
@@ -366,3 +378,123 @@ def test_no_timer_spins_once_the_last_sequence_has_ended() -> None:
     core.schedule(0.6)
     assert core.next_wakeup(0.6) is None
     assert core.batcher.sequence_stats().released_idle == 0
+
+
+def ids(batch: Batch) -> list[int | str | None]:
+    """The sequence id of each row of ``batch`` (None for a filler row)."""
+    return [i.request.parameters.get("sequence_id") for i in batch.items]
+
+
+def test_direct_lays_the_batch_out_by_slot_with_filler_rows() -> None:
+    core = core_with()  # direct (the default), 4 slots
+    batches: list[BatchStats] = []
+    core.stats.listeners.append(lambda e: batches.append(e) if isinstance(e, BatchStats) else None)
+    starts = [core.admit(req(sid, float(sid), start=True), 0.0) for sid in (1, 2, 3, 4)]
+    (record,) = step(core, 0.0)
+    assert ids(record.batch) == [1, 2, 3, 4]  # slots 0..3
+    two = core.admit(req(2, 10.0), 0.1)
+    four = core.admit(req(4, 10.0), 0.1)
+    (record,) = core.schedule(0.1).dispatched
+    batch = record.batch
+    assert ids(batch) == [None, 2, None, 4] and batch.rows == 4
+    assert [type(i) is FillerRow for i in batch.items] == [True, False, True, False]
+    x = stack_inputs(batch.items)
+    assert x["READY"][:, 0].tolist() == [False, True, False, True]
+    assert x["START"][:, 0].tolist() == [0, 0, 0, 0] and x["END"][:, 0].tolist() == [0.0] * 4
+    assert x["CORRID"][:, 0].tolist() == [0, 2, 0, 4]
+    assert x["X"][:, 0].tolist() == [0.0, 10.0, 0.0, 10.0]
+    assert x["SUM_IN"][:, 0].tolist() == [0.0, 2.0, 0.0, 4.0]  # fillers: a dummy zero state
+    done = core.complete(run(record, 0.1), 0.1)
+    assert list(done.finished) == [two, four]  # filler rows are answered to nobody
+    assert record.batch.items == [two, four] and record.batch.rows == 4
+    assert [answer(two), answer(four)] == [12.0, 14.0]
+    # the filler rows' -999 outputs never became sequences 1's and 3's state
+    more = [core.admit(req(sid, 1.0), 0.2) for sid in (1, 3)]
+    (record,) = core.schedule(0.2).dispatched
+    assert ids(record.batch) == [1, None, 3]  # up to the highest ready slot only
+    core.complete(run(record, 0.2), 0.2)
+    assert [answer(i) for i in more] == [2.0, 4.0]
+    assert [answer(i) for i in starts] == [1.0, 2.0, 3.0, 4.0]
+    assert core.stats.inference_count == 8  # requests only, never filler rows
+    assert [(b.batch_size, b.requests) for b in batches] == [(4, 4), (4, 2), (3, 2)]
+    assert sorted(core.stats.batch_sizes) == [3, 4]  # executed sizes include filler rows
+    assert core.in_flight_requests == 0
+
+
+def test_direct_rows_of_other_shapes_wait_as_filler_rows() -> None:
+    core = core_with(cfg=config(shape=(-1,)))
+
+    def wide(sid: int, n: int, start: bool = False) -> InferenceRequest:
+        return InferenceRequest(
+            "running_sum",
+            None,
+            {"X": np.ones((1, n), np.float32)},
+            parameters={"sequence_id": sid, "sequence_start": start},
+        )
+
+    core.admit(wide(2, 3, start=True), 0.0)  # slot 0
+    core.admit(wide(1, 2, start=True), 0.0)  # slot 1
+    (record,) = core.schedule(0.0).dispatched  # the oldest (slot 0) leads: width 3
+    assert ids(record.batch) == [2]
+    core.complete(
+        BatchResult(record.batch, [{"SUM": np.zeros((1, 3)), "SUM_OUT": np.zeros((1, 3))}]), 0.0
+    )
+    (record,) = core.schedule(0.1).dispatched
+    assert ids(record.batch) == [None, 1]
+    filler = record.batch.items[0].request.inputs
+    assert filler["X"].shape == (1, 2) and filler["SUM_IN"].shape == (1, 0)
+
+
+def test_a_failed_direct_batch_fails_its_requests_without_halves() -> None:
+    core = core_with()
+    first = [core.admit(req(sid, 1.0, start=True), 0.0) for sid in (1, 2, 3)]
+    step(core, 0.0)
+    a, c = core.admit(req(1, 1.0), 0.1), core.admit(req(3, 1.0), 0.1)
+    (record,) = core.schedule(0.1).dispatched
+    assert ids(record.batch) == [1, None, 3]
+    done = core.complete(BatchResult(record.batch, error=BackendError("oom")), 0.1)
+    assert list(done.finished) == [a, c] and not done.retried and not core.retrying
+    assert isinstance(a.outcome, BackendError) and isinstance(c.outcome, BackendError)
+    assert core.in_flight_requests == 0
+    again = core.admit(req(1, 5.0), 0.2)
+    step(core, 0.2)
+    assert answer(again) == 6.0 and answer(first[0]) == 1.0  # the failure left the state
+
+
+def test_a_row_error_of_a_filler_row_fails_nobody() -> None:
+    core = core_with()
+    for sid in (1, 2):
+        core.admit(req(sid, 1.0, start=True), 0.0)
+    step(core, 0.0)
+    b = core.admit(req(2, 2.0), 0.1)
+    (record,) = core.schedule(0.1).dispatched
+    items = record.batch.items
+    outputs = {"SUM": np.array([[0.0], [3.0]], np.float32), "SUM_OUT": np.array([[0.0], [3.0]])}
+    results = split_outputs(SPEC, items, outputs, row_errors={0: "no outputs for a filler"})
+    done = core.complete(BatchResult(record.batch, results), 0.1)
+    assert list(done.finished) == [b] and answer(b) == 3.0
+
+
+def test_a_hung_instance_fails_the_requests_of_a_direct_batch_not_its_fillers() -> None:
+    core = core_with(cfg=config(timeout_s=1.0))
+    for sid in (1, 2):
+        core.admit(req(sid, 1.0, start=True), 0.0)
+    step(core, 0.0)
+    b = core.admit(req(2, 1.0), 0.1)
+    (record,) = core.schedule(0.1).dispatched
+    record.instance.in_flight = 1
+    assert ids(record.batch) == [None, 2]
+    (hung,) = core.hung(1.2, respawn=True)
+    assert hung.finished == [b] and isinstance(b.outcome, BackendError)
+    assert core.in_flight_requests == 0
+    assert core.stats.fail_reasons and sum(core.stats.fail_reasons.values()) == 1
+
+
+def test_oldest_packs_rows_without_fillers() -> None:
+    core = core_with(cfg=config({"oldest": {"max_candidate_sequences": 4}}))
+    for sid in (1, 2, 3):
+        core.admit(req(sid, 1.0, start=True), 0.0)
+    step(core, 0.0)
+    core.admit(req(3, 1.0), 0.1)
+    (record,) = core.schedule(0.1).dispatched
+    assert ids(record.batch) == [3] and record.batch.rows == 1

@@ -13,7 +13,11 @@ Each stream's responses pass through its :class:`~gpuserve.engine.stream_buffer.
 (bounded: the model blocks while the client reads slowly). When the stream ends (final
 response taken, error, or cancel) the request is counted once in the version's statistics
 (one execution, its rows on success, its reason on failure) and its responses in
-:attr:`DecoupledExecutor.responses_total`.
+:attr:`DecoupledExecutor.responses_total`. Each response is also counted as it leaves its
+buffer in the version's per-index response statistics (``ModelStats.responses``, Triton's
+``response_stats``, see :mod:`gpuserve.engine.response_stats`): success, fail or empty with
+its times; a stream cancelled while its model ran counts one cancel at the index it stopped
+at, timed until the model's call returned.
 
 Everything here runs on the event loop thread except :meth:`DecoupledExecutor._run` (the
 worker thread) and the channel's producer side.
@@ -35,8 +39,9 @@ import numpy as np
 
 from gpuserve.backends.python import to_numpy_dict
 from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.response_stats import ResponseOutcome
 from gpuserve.engine.stats import BatchStats, RequestStats
-from gpuserve.engine.stream_buffer import ResponseChannel
+from gpuserve.engine.stream_buffer import ResponseChannel, StreamItem
 from gpuserve.errors import (
     BackendError,
     GpuserveError,
@@ -51,6 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_SUCCESS, _FAIL, _EMPTY = ResponseOutcome.SUCCESS, ResponseOutcome.FAIL, ResponseOutcome.EMPTY
+
 
 @dataclass(slots=True, eq=False)
 class StreamJob:
@@ -62,6 +69,9 @@ class StreamJob:
         channel: Its response buffer.
         admitted_s / started_s / ended_s: Monotonic seconds (0.0 until it happens).
         deadline_s: Queue deadline, or None.
+        running: Its backend call holds an instance now.
+        cancelled_s: When it was cancelled while running (its cancel is counted when the
+            call returns), or None.
     """
 
     request: InferenceRequest
@@ -71,6 +81,8 @@ class StreamJob:
     started_s: float = 0.0
     ended_s: float = 0.0
     deadline_s: float | None = None
+    running: bool = False
+    cancelled_s: float | None = None
 
 
 class DecoupledExecutor:
@@ -111,6 +123,8 @@ class DecoupledExecutor:
         self.active = 0
         self.streaming = 0
         self._declared = {t.name for t in self.config.outputs}
+        # Held directly (it references nothing): counting a response is on the hot path.
+        self._responses = scheduler.stats.responses
 
     @property
     def scheduler(self) -> ModelScheduler:
@@ -158,6 +172,8 @@ class DecoupledExecutor:
             to_error=self._to_error,
             probe=request.is_cancelled,
             on_done=lambda outcome: self._finished(job, outcome),
+            on_response=lambda item: self._counted(job, item),
+            clock=self.clock,
         )
         self._waiting.append(job)
         self._dispatch()
@@ -187,6 +203,8 @@ class DecoupledExecutor:
             instance = instances[index]
             self._busy.add(index)
             job.started_s = now
+            job.running = True
+            job.channel.mark_started(now)
             self.active += 1
             self._hold(+1)
             thread = threading.Thread(
@@ -209,11 +227,14 @@ class DecoupledExecutor:
             channel.send(None, final=True, error=err)
         finally:
             if not self.loop.is_closed():
-                self.loop.call_soon_threadsafe(self._release, index)
+                self.loop.call_soon_threadsafe(self._release, job, index)
 
-    def _release(self, index: int) -> None:
+    def _release(self, job: StreamJob, index: int) -> None:
         self.active -= 1
         self._busy.discard(index)
+        job.running = False
+        if job.cancelled_s is not None:  # cancelled while it ran: its clean-up ends now
+            self._count_cancel(job, self.clock() - job.cancelled_s)
         if self._scheduler() is not None:
             self._dispatch()
 
@@ -259,10 +280,32 @@ class DecoupledExecutor:
 
     # -- statistics (loop thread) ----------------------------------------------------------
 
+    def _counted(self, job: StreamJob, item: StreamItem) -> None:
+        """A response left its stream's buffer: count it at its index (not the error of a
+        request that never ran: its model produced nothing)."""
+        if job.started_s == 0.0:
+            return  # it never ran
+        if item.error is not None:
+            outcome = _FAIL
+        elif item.outputs is None:
+            outcome = _EMPTY
+        else:
+            outcome = _SUCCESS
+        self._responses.record_response(item.index, outcome, item.infer_s, item.output_s)
+
+    def _count_cancel(self, job: StreamJob, cleanup_s: float) -> None:
+        job.cancelled_s = None
+        self._responses.record_cancel(job.channel.core.produced, cleanup_s)
+
     def _finished(self, job: StreamJob, outcome: GpuserveError | str | None) -> None:
         now = self.clock()
         if job.started_s > 0.0:
             self._hold(-1)
+            if isinstance(outcome, str):  # cancelled (by its client, or by the server)
+                if job.running:
+                    job.cancelled_s = now  # counted when its call returns
+                else:
+                    self._count_cancel(job, 0.0)
         job.ended_s = now
         core = job.channel.core
         self.responses_total += core.taken

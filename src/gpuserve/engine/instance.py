@@ -42,6 +42,7 @@ from gpuserve.engine.assembly import (
 )
 from gpuserve.engine.batch import Batch, BatchResult, Outputs, Pending
 from gpuserve.engine.padding import PaddingSpec
+from gpuserve.engine.warmup_samples import WarmupBatch, stream_sample, warmup_batches
 from gpuserve.errors import BackendError, GpuserveError, OutOfMemoryError
 
 __all__ = ["BatchResult", "Instance", "resolve_pipeline_depth"]  # BatchResult: engine/batch.py
@@ -123,15 +124,65 @@ class Instance:
             thread.join(timeout_s)
 
     def _load(self) -> bool:
+        loaded = False
         try:
             self.backend.load(self.context)
+            loaded = True
             self.backend.warmup()
+            self._run_warmup_samples()
         except BaseException as err:  # reported to start(), which re-raises
             self._load_error = err
+            if loaded:  # a failed warm-up: release what the load took (finalize, memory)
+                self._unload()
             return False
         finally:
             self._loaded.set()
         return True
+
+    def _run_warmup_samples(self) -> None:
+        """Run the config's ``model_warmup`` samples through this instance's stages (its real
+        execution path: stacking, preprocess, forward, postprocess, output checks), each
+        ``count`` times, outputs discarded (see :mod:`.warmup_samples`).
+
+        Raises:
+            ConfigError: a sample does not fit the model, or its data file is bad.
+            BackendError: a sample failed to run; names the sample and the cause.
+        """
+        if not self.config.model_warmup:
+            return
+        model = self.config.name or ""
+        decoupled = self.config.model_transaction_policy.decoupled
+        for sample in warmup_batches(self.config, self.context.version_path.parent):
+            for _ in range(sample.runs):
+                error = (
+                    self._stream_sample(sample) if decoupled else self._run_sample(model, sample)
+                )
+                if error is not None:
+                    cause = error.message.removeprefix(f"model '{model}' failed: ")
+                    raise BackendError(
+                        f"model '{model}' failed to run warmup sample {sample.label}: {cause}"
+                    )
+            logger.info(
+                "instance %s: warmup sample %s ran %d time(s), %d request(s) of inputs %s",
+                self.name,
+                sample.label,
+                sample.runs,
+                sample.requests,
+                {name: list(array.shape) for name, array in sample.row.items()},
+            )
+
+    def _run_sample(self, model: str, sample: WarmupBatch) -> GpuserveError | None:
+        """One run of ``sample`` as one batch through the stages; its error, if any."""
+        job = BatchResult(sample.batch(model))
+        self._preprocess(job)
+        self._forward(job)
+        self._postprocess(job, report=False)
+        return job.error or next((r for r in job.results if isinstance(r, GpuserveError)), None)
+
+    def _stream_sample(self, sample: WarmupBatch) -> GpuserveError | None:
+        """One run of ``sample`` on a decoupled model (``stream_sample``); its error."""
+        error = stream_sample(self.backend, sample, self.config.name or "")
+        return None if error is None else self._to_error(error)
 
     def _unload(self) -> None:
         try:
@@ -254,7 +305,7 @@ class Instance:
         job.prepared = None
         job.forward_s = time.monotonic() - t0
 
-    def _postprocess(self, job: BatchResult) -> None:
+    def _postprocess(self, job: BatchResult, report: bool = True) -> None:
         t0 = time.monotonic()
         self._trace.begin("postprocess", job)
         if job.error is None:
@@ -271,6 +322,8 @@ class Instance:
         job.raw = None
         job.postprocess_s = time.monotonic() - t0
         job.finished_s = time.monotonic()
+        if not report:  # a warmup batch: nobody waits for it
+            return
         try:
             self.on_done(job)
         except Exception:  # the scheduler's callback must not kill the thread

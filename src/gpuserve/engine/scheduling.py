@@ -46,6 +46,7 @@ from gpuserve.engine.adaptive import AdaptiveBatching
 from gpuserve.engine.assembly import request_rows, shape_key
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.batcher import DynamicBatcher
+from gpuserve.engine.correlation import add_correlation_input, wants_correlation_ids
 from gpuserve.engine.inflight import InFlight, InFlightTable, W, Worker
 from gpuserve.engine.lengths import default_batch_tokens
 from gpuserve.engine.outcomes import Completion, Hung, Outcomes, Schedule
@@ -130,6 +131,8 @@ class SchedulerCore(Generic[W]):
         self._batched = config.max_batch_size > 0
         #: How variable-length inputs are padded into one batch (None: they are not).
         self.padding = PaddingSpec.of(config)
+        #: Requests with a sequence id carry it per row (Triton models' correlation_id()).
+        self._correlated = False
         self._priority_levels = db.priority_levels
         self._default_priority = db.default_priority_level
         self._default_timeout_us = db.default_timeout_us
@@ -153,6 +156,7 @@ class SchedulerCore(Generic[W]):
         if self.config.dynamic_batching.max_batch_tokens is None:
             self.batcher.max_batch_tokens = default_batch_tokens(on_gpu)
         self.batcher.unpadded = unpadded
+        self._correlated = wants_correlation_ids(self.config, self.padding is not None, instances)
         self.accepting = True
 
     def add_instance(self, instance: W) -> None:
@@ -202,6 +206,8 @@ class SchedulerCore(Generic[W]):
             )
         timeout_us = request.timeout_us or self._default_timeout_us
         rows = request_rows(request, self._batched)
+        if self._correlated:
+            add_correlation_input(request, rows)
         padding = self.padding
         item = Pending(
             request,
@@ -332,14 +338,14 @@ class SchedulerCore(Generic[W]):
         batch = result.batch
         if self._in_flight.pop(batch) is None:
             return Completion(_NONE, late=True)
+        if isinstance(self.batcher, SequenceBatcher):  # first: drops direct filler rows
+            self.batcher.ran(result, now)  # keeps state outputs, settles the sequences
         self._outcomes.batch_ran(result)
         service_s = result.finished_s - result.started_s
         error = result.error
         if self.adaptive is not None and error is None:
             self.adaptive.observe(batch, service_s)
         self.batcher.instance_freed(now, service_s, batch.rows)
-        if isinstance(self.batcher, SequenceBatcher):
-            self.batcher.ran(result, now)  # keeps state outputs, settles the sequences
         items = batch.items
         if error is not None:
             if result.retryable and len(items) > 1:
@@ -399,6 +405,8 @@ class SchedulerCore(Generic[W]):
         )
         finished: list[Pending] = []
         for record in batches:
+            if isinstance(self.batcher, SequenceBatcher):  # settles, drops filler rows
+                self.batcher.ran(BatchResult(record.batch, error=error, retryable=False), now)
             for item in record.batch.items:
                 self._finish(item, error, 0.0, now - item.arrival_s, now)
                 finished.append(item)

@@ -22,16 +22,23 @@ Rules (Triton's sequence batcher):
 * **Order**: a sequence's requests run one at a time, in arrival order: its next request
   joins a batch only after the previous one has finished (the state it needs is the previous
   request's result). A batch holds at most one request per sequence, one row each.
-* **Batches**: ``direct`` takes the lane's ready slots in slot order, sent at once or after
-  ``max_queue_delay_us`` unless ``minimum_slot_utilization`` of the slots are ready;
-  ``oldest`` takes the oldest ready requests of up to ``max_batch_size`` sequences, sent when
-  full, at a preferred batch size, or once the oldest waited ``max_queue_delay_us``. Only
-  requests whose tensors have equal non-batch shapes share a batch.
+* **Batches**: ``direct`` takes the lane's ready slots, sent at once or after
+  ``max_queue_delay_us`` unless ``minimum_slot_utilization`` of the slots are ready, and lays
+  the batch out by slot (a model that batches): row ``i`` is slot ``i``, rows ``0..`` the
+  highest ready slot, a slot without a request in this execution being a filler row with
+  READY false (:mod:`gpuserve.engine.sequence_layout`; its outputs are dropped, its state is
+  a dummy). ``oldest`` packs the oldest ready requests of up to ``max_batch_size`` sequences,
+  sent when full, at a preferred batch size, or once the oldest waited
+  ``max_queue_delay_us``. Only requests whose tensors have equal non-batch shapes share a
+  batch (a ready slot of other shapes is a filler row this time and runs in a later batch).
 * **Control inputs and state**: when a request joins a batch its inputs gain the model's
   control tensors (START, END, READY, CORRID) and its implicit state (zeros at START, else
   what the model returned for the previous request); :meth:`SequenceBatcher.ran` keeps the
   state outputs and removes them from the answer. A request that fails leaves the state as
-  it was.
+  it was. A ``direct`` batch that fails as a whole fails all its requests, as in Triton: it
+  is not rerun in halves (a model that keeps per-slot state may have advanced it);
+  ``oldest`` batches are (the scheduling core's rule). A request's own error (a row error)
+  fails only that request either way.
 * **Idle sequences**: a live sequence with nothing queued or running for
   ``max_sequence_idle_us`` is released (counted in ``released_idle``).
 """
@@ -52,6 +59,7 @@ from gpuserve.config_sequence import SequenceBatchingConfig
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.batcher import DynamicBatcher
 from gpuserve.engine.inflight import Worker
+from gpuserve.engine.sequence_layout import FillerRows, drop_fillers, slot_rows
 from gpuserve.engine.sequence_slots import Live, SequenceStats, SequenceTable
 from gpuserve.engine.sequence_tensors import (
     SequenceFlags,
@@ -70,6 +78,10 @@ __all__ = ["SequenceBatch", "SequenceBatcher", "SequenceStats"]  # stats: sequen
 @dataclass(slots=True)
 class SequenceBatch(Batch):
     """A batch of one lane: it must run on ``instance``.
+
+    A ``direct`` batch's ``items`` are its rows in slot order, a
+    :class:`~gpuserve.engine.sequence_layout.FillerRow` at each slot below the highest that
+    has no request in it; :meth:`SequenceBatcher.ran` removes them once it has run.
 
     Attributes:
         instance: The instance that holds the batch's sequences.
@@ -137,6 +149,9 @@ class SequenceBatcher(DynamicBatcher):
             self.min_ready = max(1, int(np.ceil(share * self.slots)))
         self.max_queue_delay_s = self.delay_s
         self.oldest = seq.oldest is not None
+        #: ``direct`` batches are laid out by slot, with filler rows (a batching model).
+        self.slot_layout = self.batched and not self.oldest
+        self._fillers = FillerRows(self.model, seq.control_inputs)
         self.outputs = [t.name for t in config.outputs]
         self.state_outputs = {s.output_name: s.input_name for s in seq.states}
         self._corrid = next((c for c in seq.control_inputs if c.kind == "corrid"), None)
@@ -326,13 +341,18 @@ class SequenceBatcher(DynamicBatcher):
         """Account for a finished batch before the core answers it: keep each request's state
         outputs (and drop them from its outputs), settle the sequences, release the ended.
 
-        A batch that failed as a whole and will be retried in halves (retryable, several
-        requests) leaves its requests running. A request whose answer lacks a state output
-        gets a BackendError naming it instead.
+        A ``direct`` batch loses its filler rows here (their outputs go to nobody; the
+        batch's ``rows`` stays the executed size). A sequence batch that failed as a whole is
+        never retried in halves, with either strategy (as Triton: a model that keeps state
+        per slot or per correlation id in its instance may have advanced it, and halves would
+        run on whichever instance is free): its requests fail. A request whose answer lacks
+        a state output gets a BackendError naming it instead.
         """
+        if self.slot_layout:
+            drop_fillers(result)
+        if result.error is not None:
+            result.retryable = False
         items = result.batch.items
-        if result.error is not None and result.retryable and len(items) > 1:
-            return
         for index, item in enumerate(items):
             step = self._steps.get(item)
             if step is None:
@@ -407,6 +427,10 @@ class SequenceBatcher(DynamicBatcher):
             live.running = item
             self._join(item, live)
             items.append(item)
+        if self.slot_layout and group[-1].slot >= len(group):  # a gap below the last slot
+            filler = self._fillers.request(items[0].request, key)
+            by_slot = {live.slot: item for live, item in zip(group, items, strict=True)}
+            items = slot_rows(by_slot, filler, now)
         return SequenceBatch(items, sum(i.rows for i in items), now, instance=worker, lane=lane)
 
     def _due(self, group: list[Live], lead: Live, now: float) -> bool:

@@ -11,6 +11,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuserve.engine.response_stats import ResponseStats
 
 
 @dataclass(slots=True)
@@ -88,6 +92,12 @@ class _BatchSizeStats:
 StatsListener = Callable[[BatchStats | RequestStats], None]
 
 
+def _response_stats() -> ResponseStats:
+    from gpuserve.engine.response_stats import ResponseStats  # it imports Duration from here
+
+    return ResponseStats()
+
+
 @dataclass
 class ModelStats:
     """Cumulative statistics of one model version, shaped like Triton's statistics extension.
@@ -110,6 +120,8 @@ class ModelStats:
     fail_reasons: Counter[str] = field(default_factory=Counter)
     batch_sizes: dict[int, _BatchSizeStats] = field(default_factory=dict)
     listeners: list[StatsListener] = field(default_factory=list)
+    #: Per response index of decoupled streams (Triton's ``response_stats``).
+    responses: ResponseStats = field(default_factory=_response_stats)
 
     def record_batch(self, event: BatchStats) -> None:
         """Count one executed batch (``event.batch_size`` rows) and tell the listeners."""
@@ -166,4 +178,5 @@ class ModelStats:
                 }
                 for size, s in sorted(self.batch_sizes.items())
             ],
+            "response_stats": self.responses.as_dict(),
         }

@@ -7,12 +7,19 @@ full: back-pressure instead of memory) and the event loop (:meth:`ResponseChanne
 awaited by the front end that writes the responses out). Cancelling (the client went away
 or cancelled) empties the buffer and turns every later ``send`` into a no-op that returns
 False, which is how a generator learns to stop.
+
+Every response is timed on the channel's injected clock (``compute_infer``: from the previous
+``send`` returning, or the start of execution, to this ``send``; ``compute_output``: from this
+``send`` until the response is in the buffer) and handed to ``on_response`` on the event loop
+when it leaves the buffer (taken by the consumer, or dropped by a cancel): the engine counts
+it in Triton's ``response_stats`` (:mod:`gpuserve.engine.response_stats`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,12 +44,18 @@ class StreamItem:
         final: The request's last item: nothing follows.
         error: This response failed (the stream ends with it when ``final``).
         index: 0-based position in the stream.
+        infer_s: Seconds the model took to produce it (from its previous response's send, or
+            the start of execution).
+        output_s: Seconds from the model's send until it was in the buffer (conversion and
+            any wait for room).
     """
 
     outputs: dict[str, np.ndarray] | None
     final: bool = False
     error: GpuserveError | None = None
     index: int = 0
+    infer_s: float = 0.0
+    output_s: float = 0.0
 
 
 class Offer(Enum):
@@ -107,10 +120,13 @@ class BufferCore:
         self.taken += 1
         return self._items.popleft()
 
-    def cancel(self) -> None:
-        """Drop what is held and refuse everything from now on."""
+    def cancel(self) -> list[StreamItem]:
+        """Drop what is held and refuse everything from now on; returns the dropped items
+        (accepted, never taken), oldest first."""
         self.cancelled = True
+        dropped = list(self._items)
         self._items.clear()
+        return dropped
 
     @property
     def drained(self) -> bool:
@@ -133,6 +149,9 @@ class ResponseChannel:
         probe: True once the client went away (read from the producer's thread too).
         on_done: Called once on the loop thread when the stream ends: with the final item's
             error (None on success), or ``"cancelled"``.
+        on_response: Called on the loop thread with every item that leaves the buffer (taken,
+            or dropped by a cancel), timed; before ``on_done``.
+        clock: Monotonic clock, seconds (read on the producer's thread).
     """
 
     def __init__(
@@ -145,6 +164,8 @@ class ResponseChannel:
         to_error: Callable[[BaseException], GpuserveError] | None = None,
         probe: Callable[[], bool] | None = None,
         on_done: Callable[[GpuserveError | str | None], None] | None = None,
+        on_response: Callable[[StreamItem], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.core = BufferCore(capacity)
         self._loop = loop
@@ -154,6 +175,9 @@ class ResponseChannel:
         self._to_error = to_error
         self._probe = probe
         self._on_done = on_done
+        self._on_response = on_response
+        self._clock = clock
+        self._last_sent_s: float | None = None  # guarded by _cond
         self._done_reported = False
         self._cond = threading.Condition()
         self._consumer_waiting = False
@@ -165,6 +189,13 @@ class ResponseChannel:
     @property
     def request_id(self) -> str:
         return self._request_id
+
+    def mark_started(self, now: float) -> None:
+        """The model's execution started at ``now`` (seconds on the channel's clock): the
+        first response's ``infer_s`` counts from here."""
+        with self._cond:
+            if self._last_sent_s is None:
+                self._last_sent_s = now
 
     @property
     def parameters(self) -> dict[str, Any]:
@@ -189,10 +220,17 @@ class ResponseChannel:
         """Queue one response (see :class:`~gpuserve.backends.streaming.ResponseSink`);
         blocks while the buffer is full. Returns False when nothing was queued (cancelled,
         or after the final response)."""
+        called_s = self._clock()
         item = self._item(outputs, final, error)
         with self._cond:
             while True:
                 verdict = self.core.offer(item)
+                if verdict is Offer.ACCEPTED:
+                    sent_s = self._clock()
+                    last = called_s if self._last_sent_s is None else self._last_sent_s
+                    item.infer_s = called_s - last
+                    item.output_s = sent_s - called_s
+                    self._last_sent_s = sent_s
                 if verdict is not Offer.FULL:
                     break
                 if self._probe is not None and self._probe():
@@ -239,11 +277,15 @@ class ResponseChannel:
                         self._cond.notify_all()
                     if item.final:
                         self._report(item.error)
-                    return item
-                if self.core.cancelled:
-                    return None
-                self._ready.clear()
-                self._consumer_waiting = True
+                if item is None:
+                    if self.core.cancelled:
+                        return None
+                    self._ready.clear()
+                    self._consumer_waiting = True
+            if item is not None:
+                if self._on_response is not None:
+                    self._on_response(item)
+                return item
             await self._ready.wait()
 
     def cancel(self, reason: str = "cancelled") -> None:
@@ -261,10 +303,18 @@ class ResponseChannel:
     def _cancel_locked(self, reason: str = "cancelled") -> None:
         if self.core.cancelled:
             return
-        self.core.cancel()
+        dropped = self.core.cancel()
         self._cond.notify_all()
+        if dropped and self._on_response is not None:
+            self._call_on_loop(lambda: self._count(dropped))
         self._report(reason)
         self._call_on_loop(self._ready.set)
+
+    def _count(self, items: list[StreamItem]) -> None:
+        """Hand dropped ``items`` to ``on_response`` (loop thread)."""
+        if self._on_response is not None:
+            for item in items:
+                self._on_response(item)
 
     def _report(self, outcome: GpuserveError | str | None) -> None:
         if self._done_reported or self._on_done is None:

@@ -131,8 +131,8 @@ class SentenceEmbedder:
             tokens only, varlen attention: jagged nested tensors in one kernel on CUDA, one
             unmasked attention call per row on CPU). Default True: on one CPU core a batch
             of 32 sentences of random lengths runs ~3x faster packed than padded (masked
-            attention takes a slow path) and one of similar lengths as fast; a batch without
-            padding runs the plain path either way.
+            attention takes a slow path) and one of similar lengths a few percent faster; a
+            batch without padding runs the plain path either way.
     """
 
     def __init__(

@@ -1,17 +1,20 @@
 """What a model holds in memory, measured around its load and warm-up (approximate).
 
-The process's resident host memory (RSS) and, when PyTorch has initialised CUDA, the memory
-PyTorch has allocated on each GPU are read before and after a model loads; the difference is
-the model's footprint. It is approximate: anything else the process allocates or frees while
-the model loads counts too (loads on demand run one at a time, which keeps that small), host
-memory the allocator keeps after a free is not returned, and memory outside PyTorch's
-allocator (ONNX Runtime on CUDA) is not seen on the GPU side.
+The process's resident anonymous host memory (RSS less its file-backed pages) and, when
+PyTorch has initialised CUDA, the memory PyTorch has allocated on each GPU are read before and
+after a model loads; the difference is the model's footprint. It is approximate: anything
+else the process allocates or frees while the model loads counts too (loads on demand run one
+at a time, which keeps that small), host memory the allocator keeps after a free is not
+returned, and memory outside PyTorch's allocator (ONNX Runtime on CUDA) is not seen on the GPU
+side.
 
-Two things would make a load look smaller than it is, and :func:`measuring` keeps both out
-of the window: garbage left by earlier work (a collection during the load frees it, and the
-RSS falls by its size: a 40 MB model measured 0 in a long-running process), which
-:func:`collect_garbage` collects before the first sample; and the server's ``malloc_trim``
-thread, which asks :func:`measuring_now` and waits while a load is measured.
+Three things would make a load look smaller than it is (and let one model too many in under
+a memory limit), and are kept out of the window: file-backed pages the kernel reclaims
+meanwhile (shared libraries' cold pages under page-cache reclaim or DAMON's pageout: a 40 MB
+model measured 0), left out by counting anonymous memory only (:func:`host_rss_bytes`);
+garbage of earlier work that a collection during the load frees, collected first by
+:func:`collect_garbage`; and the server's ``malloc_trim`` thread, which asks
+:func:`measuring_now` and waits while a load is measured.
 
 A model whose instances run on GPUs is measured by its GPU memory per device, a CPU model by
 host memory (key ``cpu``).
@@ -30,11 +33,21 @@ from gpuserve.repository.residency import HOST
 
 
 def host_rss_bytes() -> int:
-    """The process's resident host memory, bytes (0 where it cannot be read)."""
+    """The process's resident anonymous host memory (``resident - shared`` of
+    ``/proc/self/statm``: the heap, the mappings of large arrays, tensors), bytes; 0 where it
+    cannot be read.
+
+    File-backed resident pages (shared libraries, memory-mapped files) are left out: the
+    kernel drops and re-reads them at will (page-cache reclaim, DAMON's proactive pageout),
+    so they move by tens of MB while a model loads and have nothing to do with it; a 40 MB
+    model measured 0 when cold library pages were reclaimed during its load. A model whose
+    weights stay memory-mapped from their file is counted by what it copied out of them.
+    """
     try:
         with open("/proc/self/statm", "rb") as statm:
-            resident_pages = int(statm.read().split()[1])
-        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+            fields = statm.read().split()
+        resident_pages, shared_pages = int(fields[1]), int(fields[2])
+        return max(0, resident_pages - shared_pages) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         try:
             import resource

@@ -260,7 +260,12 @@ class ModelManager(Router):
         """
         await self.on_demand.ensure_loaded(name)
 
-    async def load(self, name: str, config_override: dict[str, Any] | None = None) -> None:
+    async def load(
+        self,
+        name: str,
+        config_override: dict[str, Any] | None = None,
+        folder: Path | None = None,
+    ) -> None:
         """Load ``name`` or, if loaded, apply the repository's current state to it (new and
         changed versions, a changed config), with the zero-downtime swap. Clears rollback
         holds and API canaries: the version policy and ``config.yaml`` decide again.
@@ -269,6 +274,9 @@ class ModelManager(Router):
             name: Model folder name.
             config_override: A complete model configuration (the ``config.yaml`` fields, as
                 JSON) used instead of ``config.yaml`` until the next load (as Triton does).
+            folder: A model folder (named ``name``) outside the repository to load the
+                versions from instead of the repository's (a load request's files); the
+                model keeps its repository name and path.
 
         Raises:
             InvalidInputError: not in ``explicit`` mode.
@@ -279,13 +287,14 @@ class ModelManager(Router):
                 ``--loaded-models-memory-bytes`` and no loaded model can be evicted (503).
         """
         self._require_explicit("load")
-        path = self.repository / name
+        path = folder if folder is not None else self.repository / name
         if path.is_dir():
             await self.on_demand.make_room(name)  # within --max-loaded-models / memory limits
         async with self._lock(name):
             loop = asyncio.get_running_loop()
             entry = await loop.run_in_executor(None, read_model, path, config_override)
             model = self._register(entry)
+            model.path = self.repository / name  # a load from files does not move it
             model.override = config_override is not None
             model.failed.clear()
             model.held.clear()

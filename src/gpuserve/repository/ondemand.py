@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 from gpuserve.errors import ModelNotReadyError
 from gpuserve.repository import footprint, residency
 from gpuserve.repository.executor import Change, take_config
+from gpuserve.repository.held_arrays import held_bytes
 from gpuserve.repository.repository import read_model
-from gpuserve.repository.residency import IDLE, LRU, MEMORY, Limits, Resident
+from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
 from gpuserve.repository.state import Model, VersionState
 
 if TYPE_CHECKING:
@@ -219,10 +220,20 @@ class OnDemand:
             ]
             ok = model.route.default is not None
             if ok:
-                # the largest of its loads: one load can undercount (memory freed by another
-                # model just before is reused, so the RSS delta misses it), never overcount
-                # by much, and a limit must not let one model too many in
-                measured = footprint.footprint(before, after, devices)
+                # the largest of its loads and at least the arrays it holds: a sampled
+                # difference undercounts by whatever the rest of the process freed meanwhile,
+                # never overcounts by much, and a limit must not let one model too many in
+                backends = [
+                    instance.backend
+                    for mv in model.versions.values()
+                    if mv.scheduler is not None
+                    for instance in mv.scheduler.instances
+                ]
+                held = await loop.run_in_executor(None, held_bytes, backends)
+                measured = {
+                    k: max(v, held.get(k, 0))
+                    for k, v in footprint.footprint(before, after, devices).items()
+                }
                 earlier = self._measured.get(model.name, {})
                 model.memory_bytes = {k: max(v, earlier.get(k, 0)) for k, v in measured.items()}
                 self._measured[model.name] = dict(model.memory_bytes)
@@ -230,11 +241,13 @@ class OnDemand:
                 model.evicted = None
         seconds = loop.time() - started
         logger.info(
-            "model %s loaded on demand in %.2f s%s (memory %s)",
+            "model %s loaded on demand in %.2f s%s (memory %s; host RSS %d -> %d B)",
             model.name,
             seconds,
             "" if ok else " (failed)",
             model.memory_bytes or "not measured",
+            before.get(HOST, 0),
+            after.get(HOST, 0),
         )
         self._emit(ResidencyEvent("load", model.name, seconds=seconds, ok=ok))
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, load_model_config, parse_model_config
+from gpuserve.engine.warmup_samples import check_warmup_files
 from gpuserve.errors import ConfigError, ModelNotFoundError
 from gpuserve.repository.triton_config import (
     TRITON_CONFIG_FILENAME,
@@ -196,6 +197,11 @@ def scan_model(path: Path, config: ModelConfig | None = None) -> ModelEntry:
         except ConfigError as err:
             entry.error = err.message
             return entry
+    try:  # a missing or wrong-sized model_warmup data file fails before any load
+        check_warmup_files(entry.config, path)
+    except ConfigError as err:
+        entry.error = err.message
+        return entry
     try:
         entry.available = version_folders(path)
     except OSError as err:

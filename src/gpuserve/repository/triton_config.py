@@ -9,9 +9,10 @@ Served as Triton means it: ``name``, ``platform``/``backend`` (``onnxruntime_onn
 priority levels, default queue policy), ``instance_group`` (count, kind, gpus),
 ``version_policy``, ``parameters`` (``string_value``), ``default_model_filename`` (the
 backend's own file name), ``optimization.cuda.graphs`` and the pinned-memory switches (gpuserve
-pins host buffers anyway). ``model_warmup`` is checked and logged, not run (gpuserve warms
-every batch-size bucket up itself). ``platform: "ensemble"`` with ``ensemble_scheduling``
-maps onto the ``ensemble`` section (:mod:`gpuserve.repository.triton_ensemble`).
+pins host buffers anyway). ``model_warmup`` maps onto the ``model_warmup`` section (run on
+every instance before the version serves, see :mod:`gpuserve.config_warmup`).
+``platform: "ensemble"`` with ``ensemble_scheduling`` maps onto the ``ensemble`` section
+(:mod:`gpuserve.repository.triton_ensemble`).
 
 Everything else gets a :class:`~gpuserve.errors.ConfigError` that names the file and the
 field (
@@ -225,7 +226,9 @@ class _Mapper:
             )
         warmups = self.subs(tree, "model_warmup", "")
         if warmups:
-            self.check_warmup(warmups)
+            out["model_warmup"] = [
+                self.warmup(sample, f"model_warmup[{i}].") for i, sample in enumerate(warmups)
+            ]
         return out
 
     def backend(self, tree: Message) -> str:
@@ -391,25 +394,38 @@ class _Mapper:
             out["cuda_graphs"] = self.flag(cuda, "graphs", f"{where}cuda.")
         return out
 
-    def check_warmup(self, warmups: list[Message]) -> None:
-        for index, sample in enumerate(warmups):
-            where = f"model_warmup[{index}]."
-            self.only(sample, {"name", "batch_size", "inputs", "count"}, where)
-            for entry in self.subs(sample, "inputs", where):
-                value = self.sub(entry, "value", f"{where}inputs.")
-                if value is None:
-                    continue
-                self.only(
-                    value,
-                    {"data_type", "dims", "zero_data", "random_data", "input_data_file"},
-                    f"{where}inputs[{self.text(entry, 'key', where)}].",
-                )
-        logger.warning(
-            "%s: model_warmup (%d sample(s)) is not run: gpuserve warms every batch-size "
-            "bucket up at load itself",
-            self.path,
-            len(warmups),
-        )
+    def warmup(self, sample: Message, where: str) -> dict[str, Any]:
+        """One ``ModelWarmup`` as a ``model_warmup`` entry of gpuserve's config (the same
+        field names; ``data_type`` as the V2 name; a set ``zero_data``/``random_data`` chooses
+        it whatever its value, as in Triton)."""
+        self.only(sample, {"name", "batch_size", "inputs", "count"}, where)
+        inputs: dict[str, Any] = {}
+        for entry in self.subs(sample, "inputs", where):
+            key = self.text(entry, "key", f"{where}inputs.")
+            value = self.sub(entry, "value", f"{where}inputs.")
+            if not key or value is None:
+                raise self.fail(f"{where}inputs", "each entry needs key and value", entry)
+            at = f"{where}inputs[{key}]."
+            fields = {"data_type", "dims", "zero_data", "random_data", "input_data_file"}
+            self.only(value, fields, at)
+            spec: dict[str, Any] = {
+                "data_type": self.datatype(value, at),
+                "dims": self.ints(value, "dims", at),
+            }
+            for flag in ("zero_data", "random_data"):
+                if flag in value:
+                    self.flag(value, flag, at)  # a bool, whichever
+                    spec[flag] = True
+            data_file = self.text(value, "input_data_file", at)
+            if data_file is not None:
+                spec["input_data_file"] = data_file
+            inputs[key] = spec
+        return {
+            "name": self.text(sample, "name", where) or "",
+            "batch_size": self.integer(sample, "batch_size", where),
+            "inputs": inputs,
+            "count": self.integer(sample, "count", where),
+        }
 
 
 def _from_json(value: Any) -> Value:
@@ -433,13 +449,13 @@ def _from_json(value: Any) -> Value:
     raise TypeError(f"unexpected JSON value {value!r}")
 
 
-#: Fields only Triton's schema has at the top level (gpuserve's are ``inputs``/``outputs``...).
+#: Fields only Triton's schema has at the top level (gpuserve's are ``inputs``/``outputs``...;
+#: ``model_warmup`` is in both).
 _TRITON_ONLY = {
     "input",
     "output",
     "platform",
     "default_model_filename",
-    "model_warmup",
     "ensemble_scheduling",
 } | set(_REFUSED)
 

@@ -10,9 +10,12 @@ token. Each changing command answers the model's status view afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -27,6 +30,14 @@ from gpuserve.errors import (
 )
 from gpuserve.repository.manager import ModelManager
 from gpuserve.service.auth import Tokens
+from gpuserve.service.model_files import (
+    FILE_PREFIX,
+    LoadedFiles,
+    check_files,
+    discard,
+    with_detected_backend,
+    write_model_folder,
+)
 from gpuserve.service.names import check_model_name, check_override_paths
 from gpuserve.service.views import IndexRow, ModelStatusView, TraceView, Views
 
@@ -92,6 +103,10 @@ class RepositoryCommands:
         self.disabled = not config.management_enabled
         self.tokens = Tokens(config)
         self.trace_dir = config.trace_dir
+        self.max_files_bytes = config.max_request_body_bytes
+        #: The temporary folder of each model loaded from a load request's files.
+        self.loaded_files = LoadedFiles()
+        self._file_locks: dict[str, asyncio.Lock] = {}
 
     # -- authorization ---------------------------------------------------------------------
 
@@ -139,32 +154,71 @@ class RepositoryCommands:
 
     # -- changing --------------------------------------------------------------------------
 
-    async def load(self, name: str, config: object = None) -> ModelStatusView:
+    async def load(
+        self, name: str, config: object = None, files: Mapping[str, bytes] | None = None
+    ) -> ModelStatusView:
         """Load or reload ``name`` (explicit mode), with ``config`` (the model configuration
         as a JSON object or a JSON string of one: ``config.yaml``'s fields, or Triton's
         ModelConfig JSON, told apart by
         :func:`~gpuserve.repository.triton_config.is_triton_config`) in place of its config
-        file when given. A failure's message starts with Triton's ``failed to load '<name>'``.
+        file when given. With ``files`` (Triton's ``file:<path>`` parameters: contents by
+        relative path, e.g. ``1/model.onnx``; ``config`` then required) the versions load
+        from those files, written to a private temporary folder
+        (:mod:`gpuserve.service.model_files`), not from the repository's folder; the model
+        keeps its name. A ``config`` naming no backend gets the one its model files tell
+        (:func:`~gpuserve.service.model_files.with_detected_backend`). A failure's message
+        starts with Triton's ``failed to load '<name>'``.
 
         Raises:
             InvalidInputError: a bad name, a configuration that is not a JSON object, or one
-                pointing outside the model.
+                pointing outside the model; files without ``config``.
+            RepositoryPollError: a file path that is absolute, holds ``..`` or a component
+                over 255 bytes (500 / INTERNAL, as Triton answers).
             GpuserveError: what :meth:`ModelManager.load` raises.
         """
         check_model_name(name)
-        try:
-            override = None if config is None else config_from_json(config)
-            if override is not None:
-                check_override_paths(override)
-            await self.manager.load(name, override)
-        except (ConfigError, ModelNotFoundError, InvalidInputError) as err:
-            raise type(err)(failed_to_load(name, err.message)) from None
+        lock = self._file_locks.setdefault(name, asyncio.Lock())
+        async with lock:  # one load or unload of ``name`` at a time: its folder follows
+            root: Path | None = None
+            try:
+                checked = None
+                if files:
+                    checked = check_files(files, self.max_files_bytes)
+                    if config is None:
+                        raise InvalidInputError(
+                            f"parameter 'config' is required when the load request carries "
+                            f"'{FILE_PREFIX}<path>' parameters (expected the model "
+                            "configuration as a JSON string)"
+                        )
+                override = None if config is None else config_from_json(config)
+                if override is not None:
+                    check_override_paths(override)
+                folder = None
+                if checked is not None:
+                    loop = asyncio.get_running_loop()
+                    folder = await loop.run_in_executor(None, write_model_folder, name, checked)
+                    root = folder.parent
+                if override is not None:
+                    source = folder or self.manager.repository / name
+                    override = with_detected_backend(override, source)
+                await self.manager.load(name, override, folder)
+            except (ConfigError, ModelNotFoundError, InvalidInputError) as err:
+                if root is not None:
+                    await discard(root)
+                raise type(err)(failed_to_load(name, err.message)) from None
+            except BaseException:
+                if root is not None:
+                    await discard(root)
+                raise
+            await self.loaded_files.replace(name, root)
         return self._changed("load", name)
 
     async def unload(self, name: str) -> ModelStatusView:
         """Drain and unload every version of ``name`` (explicit mode)."""
         check_model_name(name)
-        await self.manager.unload(name)
+        async with self._file_locks.setdefault(name, asyncio.Lock()):
+            await self.manager.unload(name)
+            await self.loaded_files.replace(name, None)
         return self._changed("unload", name)
 
     async def rollback(self, name: str) -> ModelStatusView:
@@ -214,6 +268,11 @@ class RepositoryCommands:
         scheduler.start_trace(batches, directory)
         logger.info("repository API: trace %s for %d batch(es) into %s", name, batches, directory)
         return TraceView(name, scheduler.version, batches, directory.name)
+
+    def close(self) -> None:
+        """Remove the temporary folders of models loaded from a request's files (at
+        shutdown, once the models are unloaded)."""
+        self.loaded_files.close()
 
     def _changed(self, action: str, name: str) -> ModelStatusView:
         logger.info("repository API: %s %s", action, name)

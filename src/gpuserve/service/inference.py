@@ -54,6 +54,7 @@ from gpuserve.engine.scheduler import ModelScheduler
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import GpuserveError, UnavailableError
 from gpuserve.metrics import ServerMetrics
+from gpuserve.metrics.responses import ResponseCollector
 from gpuserve.metrics.sequences import SequenceCollector, manager_schedulers
 from gpuserve.repository.manager import ModelManager
 from gpuserve.service import streaming
@@ -163,6 +164,7 @@ class InferenceService:
             manager.version_listeners.append(metrics.watch_version)
             manager.on_demand.listeners.append(metrics.on_residency)
             metrics.registry.register(SequenceCollector(manager_schedulers(manager)))
+            metrics.registry.register(ResponseCollector(manager_schedulers(manager)))
         return cls(manager, config, metrics)
 
     # -- admission -------------------------------------------------------------------------
@@ -323,6 +325,7 @@ class InferenceService:
     async def close(self, drain_timeout_s: float) -> None:
         """Drain every version (up to ``drain_timeout_s`` seconds) and unload."""
         await self.manager.close(drain_timeout_s)
+        self.repository.close()  # the folders of models loaded from a request's files
 
     def release(self) -> None:
         """Release what the metrics hold (NVML) and the client shared-memory regions."""

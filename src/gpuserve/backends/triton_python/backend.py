@@ -18,6 +18,10 @@ with ``max_batch_size > 0`` gets one ``InferenceRequest`` per row (shape ``[1, .
 Triton model treats as it treats any request with its own batch dimension; the rows of its
 responses go back to the requests that sent them. With ``max_batch_size: 0`` every request is
 its own batch and ``execute`` gets it whole.
+
+``request.correlation_id()`` is the request's ``sequence_id`` (an ``int``, or a ``str`` for a
+string id; 0 without one), for sequence models and any other: the engine carries it per row
+(:mod:`gpuserve.backends.correlation`), a decoupled request with its parameters.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from typing import Any
 import numpy as np
 
 from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
+from gpuserve.backends.correlation import (
+    NO_ID,
+    correlation_ids,
+    sequence_id_of,
+    without_correlation_input,
+)
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.python import PythonBackend
 from gpuserve.backends.streaming import ResponseSink
@@ -113,6 +123,12 @@ class _Executed:
     responses: list[Any]
 
 
+def _rows(arrays: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> int:
+    """Rows of a batch: its first model input's, else the sequence ids' own."""
+    source = arrays if arrays else inputs
+    return next(iter(source.values())).shape[0] if source else 0
+
+
 class TritonPythonRunner(Backend):
     """Runs a ``TritonPythonModel`` class (see the module docstring).
 
@@ -145,14 +161,20 @@ class TritonPythonRunner(Backend):
             initialize(model_args(context))
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> list[pb_utils.InferenceRequest]:
-        """One request per batch row (batching model) or one for the whole arrays."""
+        """One request per batch row (batching model) or one for the whole arrays, each with
+        its row's sequence id as ``correlation_id()``."""
+        ids = None
+        arrays = without_correlation_input(inputs)
+        if arrays is not inputs:
+            ids = correlation_ids(inputs, 1 if not self.batched else _rows(arrays, inputs))
         if not self.batched:
-            tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
-            return [pb_utils.InferenceRequest(tensors)]
-        rows = next(iter(inputs.values())).shape[0] if inputs else 0
+            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+            return [pb_utils.InferenceRequest(tensors, correlation_id=ids[0] if ids else NO_ID)]
+        rows = _rows(arrays, inputs)
         return [
             pb_utils.InferenceRequest(
-                [pb_utils.Tensor(name, array[row : row + 1]) for name, array in inputs.items()]
+                [pb_utils.Tensor(name, array[row : row + 1]) for name, array in arrays.items()],
+                correlation_id=ids[row] if ids else NO_ID,
             )
             for row in range(rows)
         ]
@@ -222,6 +244,7 @@ class TritonPythonRunner(Backend):
             [pb_utils.Tensor(name, array) for name, array in inputs.items()],
             model_name=self.name,
             request_id=sink.request_id,
+            correlation_id=sequence_id_of(sink.parameters) or NO_ID,
             parameters=sink.parameters,
         )
         request._sender = pb_utils.InferenceResponseSender(_ErrorMapping(sink))  # type: ignore[attr-defined]
@@ -282,6 +305,13 @@ class PythonModelBackend(Backend):
         return bool(getattr(self.model, "unpadded_batches", False))
 
     @property
+    def reads_correlation_ids(self) -> bool:
+        """Whether batches should carry their rows' sequence ids
+        (:data:`~gpuserve.backends.correlation.CORRELATION_INPUT`): a ``TritonPythonModel``
+        reads them as ``request.correlation_id()``; gpuserve's ``Model`` does not."""
+        return isinstance(self.impl, TritonPythonRunner)
+
+    @property
     def model(self) -> Any:
         """The user's model object (a ``Model`` or a ``TritonPythonModel``), None when not
         loaded: as :attr:`PythonBackend.model`."""
@@ -302,7 +332,10 @@ class PythonModelBackend(Backend):
         self._impl().warmup()
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
-        return self._impl().preprocess(inputs)
+        impl = self._impl()
+        if isinstance(impl, TritonPythonRunner):
+            return impl.preprocess(inputs)  # reads the rows' sequence ids, then drops them
+        return impl.preprocess(without_correlation_input(inputs))
 
     def forward(self, prepared: Any) -> Any:
         return self._impl().forward(prepared)

@@ -171,7 +171,7 @@ class InferenceRequest:
         requested_output_names: list[str] | None = None,
         model_name: str = "",
         request_id: str = "",
-        correlation_id: int = 0,
+        correlation_id: int | str = 0,
         parameters: dict[str, Any] | str | None = None,
         flags: int = 0,
         **options: Any,
@@ -199,8 +199,9 @@ class InferenceRequest:
         """The request's id (``""`` when it names none)."""
         return self._request_id
 
-    def correlation_id(self) -> int:
-        """0: gpuserve has no sequence batching yet."""
+    def correlation_id(self) -> int | str:
+        """The request's sequence id (the client's ``sequence_id``): an ``int``, or a ``str``
+        for a string id; 0 when the request names none."""
         return self._correlation_id
 
     def model_name(self) -> str:

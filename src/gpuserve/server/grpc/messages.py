@@ -79,6 +79,17 @@ def model_statistics(stats: ModelStats) -> pb.ModelStatistics:
             )
             for size, s in sorted(stats.batch_sizes.items())
         ],
+        response_stats={
+            str(index): pb.InferResponseStatistics(
+                compute_infer=_duration(r.compute_infer),
+                compute_output=_duration(r.compute_output),
+                success=_duration(r.success),
+                fail=_duration(r.fail),
+                empty_response=_duration(r.empty_response),
+                cancel=_duration(r.cancel),
+            )
+            for index, r in sorted(stats.responses.by_index.items())
+        },
     )
 
 

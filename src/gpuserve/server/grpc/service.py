@@ -250,6 +250,7 @@ class InferenceServicer(ExtensionRpcs, pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
         config: str | None = None
+        files: dict[str, bytes] = {}
         for key, value in request.parameters.items():
             if key == "config":
                 if value.WhichOneof("parameter_choice") != "string_param":
@@ -258,14 +259,15 @@ class InferenceServicer(ExtensionRpcs, pb_grpc.GRPCInferenceServiceServicer):
                         "configuration as JSON"
                     )
                 config = value.string_param  # parsed by the load command
-            elif key.startswith("file:"):
-                raise InvalidInputError(
-                    f"parameter {key!r}: model files in a load request are not supported; "
-                    "put them in the model repository"
-                )
+            elif key.startswith("file:"):  # checked and written by the load command
+                if value.WhichOneof("parameter_choice") != "bytes_param":
+                    raise InvalidInputError(
+                        f"parameter {key!r} must be a bytes_param holding the file's content"
+                    )
+                files[key[len("file:") :]] = value.bytes_param
         check_model_name(request.model_name)
         self.commands.authorize_change(_bearer(context))
-        await self.commands.load(request.model_name, config)
+        await self.commands.load(request.model_name, config, files)
         return pb.RepositoryModelLoadResponse()
 
     @unary

@@ -14,13 +14,17 @@ An adapter: it parses the path and the JSON body and calls the service's typed
 :class:`~gpuserve.service.commands.RepositoryCommands`, which own the checks (management
 disabled -> 403, missing token -> 401 with ``WWW-Authenticate: Bearer``; names; configuration
 paths). A load may carry a configuration, as Triton's does:
-``{"parameters": {"config": "<the model configuration as a JSON string>"}}``.
+``{"parameters": {"config": "<the model configuration as a JSON string>"}}``, and the model's
+files, base64-encoded, as ``"file:<relative path>": "<base64>"`` parameters (``config`` then
+required; see :mod:`gpuserve.service.model_files`).
 
 Success bodies are the model's status view.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import orjson
@@ -29,6 +33,7 @@ from gpuserve.errors import InvalidInputError
 from gpuserve.server.security import Headers, bearer_token, check_model_name
 from gpuserve.service.commands import CanaryRequest
 from gpuserve.service.inference import InferenceService
+from gpuserve.service.model_files import FILE_PREFIX
 
 _PREFIX = "/v2/repository/models/"
 _READ_ONLY = {"status"}
@@ -80,7 +85,8 @@ class RepositoryApi:
             commands.authorize_change(token)
         check_model_name(name)
         if action == "load":
-            view = await commands.load(name, _config_override(_json_body(body)))
+            request = _json_body(body)
+            view = await commands.load(name, _config_override(request), _files(request))
         elif action == "unload":
             view = await commands.unload(name)
         elif action == "rollback":
@@ -117,6 +123,32 @@ def _config_override(request: dict[str, Any]) -> object:
     if not isinstance(parameters, dict):
         raise InvalidInputError("field 'parameters' must be an object")
     return parameters.get("config")
+
+
+def _files(request: dict[str, Any]) -> dict[str, bytes]:
+    """The ``file:<path>`` parameters of a load request, base64-decoded, by relative path.
+
+    Raises:
+        InvalidInputError: a value that is not a base64 string (names the parameter).
+    """
+    parameters = request.get("parameters") or {}
+    files = {}
+    for key, value in parameters.items():
+        if not key.startswith(FILE_PREFIX):
+            continue
+        if not isinstance(value, str):
+            raise InvalidInputError(
+                f"parameter {key!r}: expected the file's content as a base64 string, got "
+                f"{type(value).__name__}"
+            )
+        try:
+            files[key[len(FILE_PREFIX) :]] = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise InvalidInputError(
+                f"parameter {key!r}: not valid base64 ({err}); expected the file's content "
+                "as a base64 string"
+            ) from None
+    return files
 
 
 def _canary_body(request: dict[str, Any]) -> CanaryRequest:
