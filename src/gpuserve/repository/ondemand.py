@@ -212,23 +212,19 @@ class OnDemand:
                 before = footprint.sample()
                 await manager._executor.reconcile(model, entry, Change(retry_failed=True))
                 after = footprint.sample()
-            devices = [
-                instance.context.device
+            instances = [
+                instance
                 for mv in model.versions.values()
                 if mv.scheduler is not None
                 for instance in mv.scheduler.instances
             ]
+            devices = [instance.context.device for instance in instances]
             ok = model.route.default is not None
             if ok:
                 # the largest of its loads and at least the arrays it holds: a sampled
                 # difference undercounts by whatever the rest of the process freed meanwhile,
                 # never overcounts by much, and a limit must not let one model too many in
-                backends = [
-                    instance.backend
-                    for mv in model.versions.values()
-                    if mv.scheduler is not None
-                    for instance in mv.scheduler.instances
-                ]
+                backends = [instance.backend for instance in instances]
                 held = await loop.run_in_executor(None, held_bytes, backends)
                 measured = {
                     k: max(v, held.get(k, 0))
