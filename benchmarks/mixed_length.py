@@ -5,7 +5,9 @@
       batch 1, length-sorted batches of 8 and 32, and random-order padded batches of 8 / 32;
   (b) gpuserve serving raw text over HTTP (V2 JSON BYTES to the default repository's
       text_embedding, one text per request) at closed-loop concurrency 1, 8, 32;
-  (c) PyTriton and infinity-emb serving the same model on the same texts, same pinning;
+  (c) PyTriton and infinity-emb serving the same model on the same texts, same pinning
+      (PyTriton twice: with sentence-transformers, as its users serve this model, and with
+      gpuserve's own packed encoder, which compares the serving layers alone);
 
 for two mixes of real English prose (corpus.py: the Python standard library's docstrings):
 ``short`` sentences and ``chunks`` of 60-200 words. The load generator is gpuserve's own
@@ -50,6 +52,7 @@ MAX_SEQ_LEN = 256  # the default text_embedding's truncation
 # --quick: short points, a small corpus, c = 1 and 8
 QUICK = {
     "duration": 1.5,
+    "chunk_duration": 3.0,
     "warmup": 0.5,
     "inprocess_seconds": 1.0,
     "short_count": 200,
@@ -77,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--servers",
-        default="gpuserve-base,gpuserve,pytriton,infinity",
+        default="gpuserve-base,gpuserve,pytriton,pytriton-packed,infinity",
         help=f"comma list of {', '.join(servers.SERVER_NAMES)}, or 'none' for (a) "
         "only (default: all; those that cannot run are skipped)",
     )
@@ -89,6 +92,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=9.0,
         help="measured seconds per served point (3 windows), after a warm-up",
     )
+    ap.add_argument(
+        "--chunk-duration",
+        type=float,
+        default=30.0,
+        help="measured seconds per served point of the chunks mix (3 windows): at c=32 its "
+        "batches take 2-4 s and finish 32 answers at once, so a window of a few seconds "
+        "counts 2 or 3 whole batches (a server measured 10.5 and 16.0 req/s in two 6 s runs)",
+    )
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per point")
     ap.add_argument("--inprocess-seconds", type=float, default=5.0, help="per (a) mode")
     ap.add_argument("--inprocess-modes", default="batch1,sorted8,sorted32,random8,random32")
@@ -99,7 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--base-port",
         type=int,
         default=8161,
-        help="gpuserve's port; gpuserve-base, pytriton, infinity: +10, +20, +30",
+        help="gpuserve's port; gpuserve-base, pytriton, infinity, pytriton-packed: "
+        "+10, +20, +30, +40",
     )
     ap.add_argument("--server-cpus", default="1")
     ap.add_argument("--client-cpus", default="0")
@@ -240,7 +252,7 @@ def measure(spec: servers.ServerSpec, mix: Mix, c: int, args: argparse.Namespace
     )
     settings = LoadSettings(
         warmup_s=args.warmup,
-        window_s=args.duration / 3,
+        window_s=(args.chunk_duration if mix.name == "chunks" else args.duration) / 3,
         stable_windows=3,
         tolerance=0.10,
         max_windows=3,

@@ -12,6 +12,9 @@ PEER_TARGETS = {
     "infinity": {"short": 1.3, "chunks": 1.3},
 }
 PEER_CONC = (8, 32)
+# compared in the ratio table without a target: PyTriton in front of gpuserve's own packed
+# encoder measures the serving layers alone (the execution is the same code)
+PEERS = ("pytriton", "pytriton-packed", "infinity")
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -92,7 +95,8 @@ def render(doc: dict) -> str:
         f"{cfg['server_cpus']} with {cfg['torch_threads']} torch thread "
         f"(OMP_NUM_THREADS), the load generator (gpuserve.bench, closed loop, keep-alive, "
         f"one text per request) on CPU {cfg['client_cpus']}. Each point: {cfg['warmup']} s "
-        f"warm-up + {cfg['duration']} s in 3 windows. Peers: max batch {cfg['max_batch']}, "
+        f"warm-up + {cfg['duration']} s in 3 windows (chunks: "
+        f"{cfg.get('chunk_duration', cfg['duration'])} s). Peers: max batch {cfg['max_batch']}, "
         f"max wait {cfg['batch_wait_ms']} ms; gpuserve: its default repository as shipped. "
         f"Load average at start {la0[0]:.2f}, at end {la1[0]:.2f}. Total "
         f"{info.get('elapsed_s', 0) / 60:.1f} min.\n"
@@ -168,10 +172,10 @@ def render(doc: dict) -> str:
         "| mix | server | "
         + " | ".join(f"c={c} / best in-process" for c in conc)
         + " | "
-        + " | ".join(f"vs {p} c={c}" for p in PEER_TARGETS for c in PEER_CONC)
+        + " | ".join(f"vs {p} c={c}" for p in PEERS for c in PEER_CONC)
         + " |"
     )
-    L.append("|---|---|" + "---|" * (len(conc) + len(PEER_TARGETS) * len(PEER_CONC)))
+    L.append("|---|---|" + "---|" * (len(conc) + len(PEERS) * len(PEER_CONC)))
     for mix in cfg["mixes"]:
         best = best_inprocess(doc, mix)
         for res in doc["servers"]:
@@ -184,7 +188,7 @@ def render(doc: dict) -> str:
                 r = _ratio(p and p["rps"], best and best["texts_per_s"])
                 t = _ratio(p and p["tokens_per_s"], best and best["tokens_per_s"])
                 cells.append(f"{_f(r, 2)} ({_f(t, 2)})")
-            for peer in PEER_TARGETS:
+            for peer in PEERS:
                 for c in PEER_CONC:
                     ours, theirs = pts.get((name, mix, c)), pts.get((peer, mix, c))
                     r = _ratio(ours and ours["rps"], theirs and theirs["rps"])

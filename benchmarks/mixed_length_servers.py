@@ -8,8 +8,12 @@ raw text, one text per request, and tokenises in the server:
 * ``gpuserve-base``: the same from the tree in ``$GPUSERVE_BASE_SRC`` (a folder holding the
   ``gpuserve`` package, e.g. an exported base commit's ``src/``), like the peer benchmark's
   server of that name; skipped without the variable.
-* ``pytriton``: Triton's dynamic batcher in front of the same SentenceEmbedder
-  (``peers/servers/pytriton_text_server.py``), same V2 bodies; needs ``peers/.venv``.
+* ``pytriton``: Triton's dynamic batcher in front of ``SentenceTransformer.encode`` (what a
+  PyTriton user serving this model writes: each batch padded to its longest text;
+  ``peers/servers/pytriton_text_server.py``), same V2 bodies; needs ``peers/.venv``.
+* ``pytriton-packed``: the same PyTriton server in front of gpuserve's own SentenceEmbedder
+  (packed execution, no padding): PyTriton's serving layers against gpuserve's, the
+  execution being equal.
 * ``infinity``: infinity-emb (``infinity_emb v2``, torch engine) on its OpenAI-style
   ``/embeddings``; needs a venv with infinity-emb in ``$INFINITY_VENV`` (default
   ``/tmp/venv-infinity``).
@@ -36,7 +40,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 PEERS = BENCH / "peers"
-SERVER_NAMES = ("gpuserve", "gpuserve-base", "pytriton", "infinity")
+SERVER_NAMES = ("gpuserve", "gpuserve-base", "pytriton", "pytriton-packed", "infinity")
 INFINITY_MODEL = "all-MiniLM-L6-v2"
 
 # runs `gpuserve serve ...` from the tree given as argv[1] ('' = the installed package)
@@ -145,27 +149,34 @@ def specs(layout: Layout, base_port: int = 8161) -> dict[str, ServerSpec]:
             skip=skip,
         )
     peers_python = PEERS / ".venv" / "bin" / "python"
-    port = base_port + 20
-    out["pytriton"] = ServerSpec(
-        "pytriton",
-        f"PyTriton (Triton 2.51 CPU, dynamic batcher max {layout.max_batch} / "
-        f"{layout.batch_wait_ms} ms) + gpuserve's SentenceEmbedder",
-        [str(peers_python), "servers/pytriton_text_server.py"],
-        port,
-        f"http://127.0.0.1:{port}/v2/models/text_embedding/infer",
-        "v2",
-        cwd=PEERS,
-        env={
-            "PYTHONPATH": str(PEERS),
-            "BENCH_PORT": str(port),
-            "BENCH_PORT2": str(port + 1),
-            "BENCH_HOST": "127.0.0.1",
-            "BENCH_MAX_BATCH": str(layout.max_batch),
-            "BENCH_BATCH_WAIT_MS": str(layout.batch_wait_ms),
-            "BENCH_TORCH_THREADS": str(layout.torch_threads),
-        },
-        skip=None if peers_python.exists() else f"{peers_python} missing (run peers/setup.sh)",
-    )
+    for offset, (name, encoder, what) in enumerate(
+        (
+            ("pytriton", "sentence-transformers", "SentenceTransformer.encode (padded batches)"),
+            ("pytriton-packed", "gpuserve", "gpuserve's SentenceEmbedder (packed batches)"),
+        )
+    ):
+        port = base_port + 20 + 20 * offset
+        out[name] = ServerSpec(
+            name,
+            f"PyTriton (Triton 2.51 CPU, dynamic batcher max {layout.max_batch} / "
+            f"{layout.batch_wait_ms} ms) + {what}",
+            [str(peers_python), "servers/pytriton_text_server.py"],
+            port,
+            f"http://127.0.0.1:{port}/v2/models/text_embedding/infer",
+            "v2",
+            cwd=PEERS,
+            env={
+                "PYTHONPATH": str(PEERS),
+                "BENCH_PORT": str(port),
+                "BENCH_PORT2": str(port + 1),
+                "BENCH_HOST": "127.0.0.1",
+                "BENCH_MAX_BATCH": str(layout.max_batch),
+                "BENCH_BATCH_WAIT_MS": str(layout.batch_wait_ms),
+                "BENCH_TORCH_THREADS": str(layout.torch_threads),
+                "BENCH_TEXT_ENCODER": encoder,
+            },
+            skip=None if peers_python.exists() else f"{peers_python} missing (run peers/setup.sh)",
+        )
     venv = Path(os.environ.get("INFINITY_VENV", "/tmp/venv-infinity"))
     exe = venv / "bin" / "infinity_emb"
     port = base_port + 30

@@ -28,6 +28,7 @@ from gpuserve.config_embedding import EmbeddingConfig, embedding_problem
 from gpuserve.config_ensemble import EnsembleConfig, graph_problem
 from gpuserve.config_keys import unknown_key_hint
 from gpuserve.config_padding import padding_problem
+from gpuserve.config_reshape import check_reshape_dims, refused_with, reshapes
 from gpuserve.config_sequence import SequenceBatchingConfig, sequence_problem
 from gpuserve.config_warmup import WarmupSample, WarmupTarget, warmup_problem
 from gpuserve.datatypes import Datatype
@@ -56,6 +57,10 @@ class TensorSpec(_Strict):
             (an output requested with ``classification: k``).
         format: Inputs only: the image layout Triton's ModelConfig reports (``FORMAT_NCHW``
             or ``FORMAT_NHWC``; informational, for clients that prepare images by it).
+        reshape: The shape the model sees without the batch dimension, when it differs
+            from ``shape`` (Triton's ``reshape``): clients use ``shape``, the model gets an
+            input / makes an output in ``reshape``. None: ``shape``. See
+            :mod:`gpuserve.config_reshape`.
     """
 
     name: str = Field(min_length=1)
@@ -66,6 +71,7 @@ class TensorSpec(_Strict):
     unpad: str | None = None
     label_filename: str | None = None
     format: Literal["FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC"] | None = None
+    reshape: list[int] | None = None
 
     @field_validator("label_filename")
     @classmethod
@@ -80,6 +86,11 @@ class TensorSpec(_Strict):
     @classmethod
     def _dims(cls, shape: list[int]) -> list[int]:
         return check_dims(shape)
+
+    @field_validator("reshape")
+    @classmethod
+    def _reshape_dims(cls, reshape: list[int] | None) -> list[int] | None:
+        return check_reshape_dims(reshape)
 
 
 class AdaptiveBatchingConfig(_Strict):
@@ -459,6 +470,22 @@ class ModelConfig(_Strict):
             problem = embedding_problem(self, self.embedding)
             if problem is not None:
                 raise ValueError(problem)
+        return self
+
+    @field_validator("inputs", "outputs")
+    @classmethod
+    def _reshapes(cls, specs: list[TensorSpec], info: Any) -> list[TensorSpec]:
+        # Reported on field 'inputs' / 'outputs'; max_batch_size is validated before them.
+        problem = reshapes(specs, int(info.data.get("max_batch_size", 0)) > 0, info.field_name)
+        if problem is not None:
+            raise ValueError(problem)
+        return specs
+
+    @model_validator(mode="after")
+    def _check_reshape(self) -> ModelConfig:
+        problem = refused_with(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -149,7 +149,7 @@ class ServerConfig(BaseSettings):
     admission_inline_bytes: int = Field(default=2048, ge=0)
     malloc_arena_max: int = Field(default=0, ge=0)
     malloc_mmap_threshold_bytes: int = Field(default=0, ge=0)
-    memory_trim_interval_s: float = Field(default=30.0, ge=0)
+    memory_trim_interval_s: float = Field(default=5.0, ge=0)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:

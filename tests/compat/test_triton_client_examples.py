@@ -48,10 +48,16 @@ pytest.importorskip("PIL")
 FOLDER = Path(EXAMPLES)
 RUN_ALL = os.environ.get("GPUSERVE_TRITON_EXAMPLES_ALL") == "1"
 
+_CUDASHM = (
+    "CUDA shared memory: the client needs a GPU and cuda-python "
+    "(tritonclient.utils.cuda_shared_memory)"
+)
 #: Examples never run here, and why.
 NOT_RUN = {
-    "simple_grpc_cudashm_client.py": "CUDA shared memory needs a GPU",
-    "simple_http_cudashm_client.py": "CUDA shared memory needs a GPU",
+    # the server side is tested by tests/gpu/test_cuda_shm.py (real CUDA IPC) and
+    # tests/integration/test_triton_cuda_shared_memory.py (tritonclient, fake CUDA driver)
+    "simple_grpc_cudashm_client.py": _CUDASHM,
+    "simple_http_cudashm_client.py": _CUDASHM,
     "ensemble_image_client.py": "needs NVIDIA DALI (an ensemble with a DALI preprocessing model)",
     "simple_http_health_metadata.py": "requires the server to call itself 'triton'",
     "simple_grpc_health_metadata.py": "requires the server to call itself 'triton'",

@@ -1,12 +1,11 @@
 """``request.correlation_id()`` in Triton Python models: the client's sequence id.
 
 Real tritonclient.http and tritonclient.grpc clients send ``sequence_id`` (an integer or a
-string) to models of ``tests/fixtures/correlation`` (one ``echo_model.py`` for all) that echo ``correlation_id()`` with its
-type: ``corrid_echo`` (not a sequence model: Triton passes the id through all the same),
-``corrid_sequence`` (oldest strategy), ``corrid_direct`` (direct strategy, filler rows) and
-``corrid_stream`` (decoupled). Concurrent requests check that each row of a batch gets its
-own request's id.
-"""
+string) to models of ``tests/fixtures/correlation`` (one ``echo_model.py`` for all) that echo
+``correlation_id()`` with its type: ``corrid_echo`` (not a sequence model: Triton passes the
+id through all the same), ``corrid_sequence`` (oldest strategy), ``corrid_direct`` (direct
+strategy, filler rows) and ``corrid_stream`` (decoupled). Concurrent requests check that each
+row of a batch gets its own request's id."""
 
 from __future__ import annotations
 

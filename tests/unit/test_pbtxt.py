@@ -170,9 +170,9 @@ def test_unsupported_fields_are_refused_naming_file_and_field(tmp_path, extra, m
         ),
         (
             'backend: "python" input { name: "x" data_type: TYPE_FP32 dims: [4] '
-            "reshape { shape: [2, 2] } }",
-            "field 'input[0].reshape': not supported by gpuserve yet (only a reshape equal "
-            "to dims [4]) (given: [2, 2])",
+            "reshape { shape: [2, 3] } }",
+            "field 'input[0].reshape': reshape [2, 3] holds 6 elements, but dims [4] hold 4: "
+            "they must hold the same number (given: [2, 3])",
         ),
         (
             'backend: "python" input { name: "x" data_type: TYPE_FP32 dims: [3] } '

@@ -149,9 +149,16 @@ class Backend(abc.ABC):
             padding (packed sequences, e.g. the built-in BERT encoder on CUDA), read after
             load: the dynamic batcher then does not group rows by length and counts real
             tokens against ``max_batch_tokens``. Default False (batches are padded).
+        takes_tensors: Whether ``preprocess`` also takes ``torch.Tensor`` inputs (on any
+            device; it moves them to its own), handed on by an ensemble step. Default False:
+            inputs are numpy arrays only.
+        gives_tensors: Whether :meth:`postprocess_tensors` leaves outputs as tensors on the
+            instance's device. Default False.
     """
 
     unpadded_batches: bool = False
+    takes_tensors: bool = False
+    gives_tensors: bool = False
 
     def admission(self) -> AdmissionStep | None:
         """The model's admission step, or None (the default) when it declares none.
@@ -220,6 +227,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
         """CPU stage: return output name -> numpy array, batch dimension first."""
+
+    def postprocess_tensors(self, raw: Any) -> dict[str, Any]:
+        """CPU stage of a batch in which a request takes outputs as device tensors (an
+        ensemble step feeding a step on the same device): like :meth:`postprocess`, but a
+        backend that ``gives_tensors`` returns ``torch.Tensor`` outputs on its device, in the
+        declared datatypes; the engine converts them for the requests that need host arrays
+        (:mod:`gpuserve.backends.tensors`). This default returns :meth:`postprocess`'s."""
+        return self.postprocess(raw)
 
     def unload(self) -> None:  # noqa: B027 - optional hook
         """Release weights and device memory."""

@@ -269,7 +269,8 @@ class OnnxBackend(Backend):
         feeds: dict[str, np.ndarray] = {}
         for spec in self.config.inputs:
             shape = [1] if self.config.max_batch_size > 0 else []
-            shape += [1 if d < 0 else d for d in spec.shape]
+            model_shape = spec.shape if spec.reshape is None else spec.reshape
+            shape += [1 if d < 0 else d for d in model_shape]
             dtype = numpy_dtype(spec.datatype)
             if dtype.kind == "O":
                 feeds[spec.name] = np.full(shape, b"", dtype=object)

@@ -14,6 +14,8 @@ Policies:
 
 * With ``max_batch_size > 0`` every model input and output must have a dynamic first
   dimension (the batch); the config's shapes are the model's without it.
+* A tensor with a ``reshape`` is compared by its reshape (the shape the model sees; clients
+  use its ``shape``, see :mod:`gpuserve.config_reshape`).
 * A model dimension that is fixed must be declared with that value (``-1`` there would let
   requests through that the model then refuses). A dynamic model dimension may be declared
   ``-1`` or a fixed value (the config may narrow what the model accepts).
@@ -236,12 +238,14 @@ def _settle(
                 f"{tensor.datatype}"
             )
         model_dims = shape_of(tensor)
-        agree = len(model_dims) == len(spec.shape) and all(
-            m is None or m == c for m, c in zip(model_dims, spec.shape, strict=True)
+        # The model sees a tensor in its reshape, when it has one (clients use its shape).
+        seen, field = (spec.shape, "shape") if spec.reshape is None else (spec.reshape, "reshape")
+        agree = len(model_dims) == len(seen) and all(
+            m is None or m == c for m, c in zip(model_dims, seen, strict=True)
         )
         if not agree:
             errors.append(
-                f"{label}: config.yaml declares shape {format_shape(spec.shape)}, but {source} "
+                f"{label}: config.yaml declares {field} {format_shape(seen)}, but {source} "
                 f"has {format_shape(model_dims)} (without the batch dimension; -1 = dynamic)"
             )
     return list(declared)

@@ -2,9 +2,21 @@
 
 A model with ``model_transaction_policy: {decoupled: true}`` answers one request with zero or
 more responses and a final mark. The engine runs it with one request at a time per instance
-(never batched with others) by calling the backend's ``stream`` method::
+by calling the backend's ``stream`` method::
 
     backend.stream(inputs, sink)        # on a thread of the engine, the instance held
+
+A backend that can serve several requests in one call (Triton's ``execute(requests)``, each
+request with its own response sender) also has ``stream_batch``, and ``streams_batches`` True;
+the engine uses it for a model with ``dynamic_batching`` and ``max_batch_size > 0`` (see
+:mod:`gpuserve.engine.decoupled_batching`)::
+
+    backend.stream_batch([StreamCall(inputs, sink), ...])   # one sink per request
+
+Each request's responses go to its own sink (its own id, bounded buffer and cancel); an
+exception from ``stream_batch`` fails every request of the call that has not ended. gpuserve's
+generator API (``Model.generate(inputs)``) has no batched form: a generator is one request's
+stream, so such a model runs one request per call whatever its batching settings.
 
 ``inputs`` are the request's own arrays (batch dimension first when ``max_batch_size > 0``).
 The backend calls :meth:`ResponseSink.send` for every response, from any thread, and once
@@ -19,6 +31,7 @@ when it returns.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -55,6 +68,20 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool:
         """True once the client went away or cancelled: stop producing."""
         ...
+
+
+@dataclass(slots=True)
+class StreamCall:
+    """One request of a batch of decoupled requests (``backend.stream_batch``).
+
+    Attributes:
+        inputs: The request's own arrays (batch dimension first; never stacked with other
+            requests').
+        sink: Where its responses go.
+    """
+
+    inputs: dict[str, np.ndarray]
+    sink: ResponseSink
 
 
 def run_generator(responses: Iterator[dict[str, Any]], sink: ResponseSink) -> None:

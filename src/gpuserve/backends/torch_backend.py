@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpuserve.backends import tensors as _tensors
 from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.optional import library_lock
@@ -82,7 +83,15 @@ TORCH_DATATYPES = {
 
 
 class TorchBackend(Backend):
-    """Runs a PyTorch module on one device."""
+    """Runs a PyTorch module on one device.
+
+    It takes ``torch.Tensor`` inputs beside numpy arrays and gives its outputs as tensors on
+    its device (:meth:`postprocess_tensors`), so an ensemble hands tensors between two torch
+    steps on one device without a host round trip.
+    """
+
+    takes_tensors = True
+    gives_tensors = True
 
     def __init__(self) -> None:
         self.module: Any = None
@@ -95,6 +104,7 @@ class TorchBackend(Backend):
         self.outputs: list[tuple[str, np.dtype]] = []
         self.h2d: HostToDevice | None = None
         self.memory: dict[str, int] = {}
+        self._tensor_dtypes: dict[str, torch.dtype] = {}  # declared output dtypes, for torch
 
     @classmethod
     def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
@@ -247,11 +257,14 @@ class TorchBackend(Backend):
         tensors = []
         for name in self.input_names:
             array = inputs[name]
-            if array.dtype == object:
-                raise ConfigError(f"input '{name}': BYTES inputs need the python backend")
-            if not array.flags.writeable:
-                array = array.copy()  # torch.from_numpy needs a writable buffer
-            tensor = torch.from_numpy(array)
+            if isinstance(array, torch.Tensor):  # handed on by an ensemble step
+                tensor = array if array.device.type == "cpu" else array.to(self.device)
+            else:
+                if array.dtype == object:
+                    raise ConfigError(f"input '{name}': BYTES inputs need the python backend")
+                if not array.flags.writeable:
+                    array = array.copy()  # torch.from_numpy needs a writable buffer
+                tensor = torch.from_numpy(array)
             if tensor.is_floating_point() and tensor.dtype != self.dtype:
                 tensor = tensor.to(self.dtype)
             tensors.append(tensor)
@@ -265,20 +278,36 @@ class TorchBackend(Backend):
         with torch.inference_mode():
             return self.runner(*tensors)
 
-    def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
+    def _raw_items(self, raw: Any) -> list[tuple[str, Any]]:
         if isinstance(raw, torch.Tensor):
             raw = (raw,)
         if isinstance(raw, dict):
-            items = [(name, raw[name]) for name, _ in self.outputs if name in raw]
-        else:
-            items = list(zip((n for n, _ in self.outputs), raw, strict=False))
+            return [(name, raw[name]) for name, _ in self.outputs if name in raw]
+        return list(zip((n for n, _ in self.outputs), raw, strict=False))
+
+    def postprocess_tensors(self, raw: Any) -> dict[str, Any]:
+        """The outputs as tensors on the instance's device, in the declared datatypes (a
+        CUDA graph's output buffers are copied: the next replay reuses them)."""
+        dtypes = self._tensor_dtypes
+        if not dtypes:
+            for name, declared in self.outputs:
+                dtypes[name] = torch.from_numpy(np.empty(0, declared)).dtype
+        result: dict[str, Any] = {}
+        for name, value in self._raw_items(raw):
+            tensor = value.detach()
+            dtype = dtypes[name]
+            if tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            elif self.graphs is not None:
+                tensor = tensor.clone()
+            result[name] = tensor
+        return result
+
+    def postprocess(self, raw: Any) -> dict[str, np.ndarray]:
         result: dict[str, np.ndarray] = {}
         wanted = dict(self.outputs)
-        for name, value in items:
-            tensor = value.detach()
-            if tensor.dtype == torch.bfloat16:
-                tensor = tensor.float()
-            array = tensor.cpu().numpy()
+        for name, value in self._raw_items(raw):
+            array = _tensors.to_host(value)  # the one device-to-host copy
             if array.dtype != wanted[name]:
                 array = array.astype(wanted[name])
             result[name] = array

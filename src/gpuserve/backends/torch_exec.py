@@ -83,7 +83,8 @@ def example_inputs(
     """Zero tensors shaped like a batch of ``batch`` rows (variable dims set to 1)."""
     tensors = []
     for spec in config.inputs:
-        dims = [1 if d < 0 else d for d in spec.shape]
+        model_shape = spec.shape if spec.reshape is None else spec.reshape  # what it takes
+        dims = [1 if d < 0 else d for d in model_shape]
         shape = [batch, *dims] if config.max_batch_size else dims
         tensor = torch.from_numpy(np.zeros(shape, numpy_dtype(spec.datatype)))
         if tensor.is_floating_point():
@@ -192,7 +193,10 @@ class HostToDevice:
         if self.stream is None:
             return [t.to(self.device) for t in tensors], None
         with torch.cuda.stream(self.stream):
-            moved = [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
+            moved = [  # a tensor already on the device (an ensemble hand-off) stays as it is
+                t if t.device == self.device else t.pin_memory().to(self.device, non_blocking=True)
+                for t in tensors
+            ]
             event = torch.cuda.Event()
             event.record(self.stream)
         return moved, event

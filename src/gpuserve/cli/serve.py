@@ -140,7 +140,7 @@ def _memory_flags(serve: argparse.ArgumentParser) -> None:
         "--memory-trim-interval-s",
         type=float,
         help="malloc_trim when the server goes quiet, and at most this often while busy, "
-        "seconds (default 30; 0: never)",
+        "seconds (default 5; 0: never)",
     )
 
 

@@ -11,15 +11,25 @@ Arrays are numpy arrays with the batch dimension first when the model batches
 (``max_batch_size > 0``); BYTES tensors are ``object`` arrays of ``bytes``. A request's row
 count is computed once, at admission (:func:`request_rows`, kept in ``Pending.rows``); the
 split uses it instead of looking at the arrays again.
+
+Device hand-off (ensembles): a :class:`HandoffRequest` (an ensemble step's request) may carry
+``torch.Tensor`` inputs and take some outputs back as tensors. For a batch holding one
+(:func:`wants_tensors`) the instance asks its backend for device outputs
+(``Backend.postprocess_tensors``); :func:`split_outputs` then gives each request tensors only
+for the outputs it keeps, and host arrays (converted once per batch) for the rest.
+:func:`stack_inputs` concatenates tensors with ``torch.cat`` on their device. Clients only ever
+see numpy arrays.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from gpuserve.backends import tensors as _tensors
 from gpuserve.config import ModelConfig
 from gpuserve.engine.batch import Outputs, Pending
 from gpuserve.engine.request import InferenceRequest
@@ -58,6 +68,30 @@ class OutputSpec:
         )
 
 
+@dataclass(slots=True, eq=False)
+class HandoffRequest(InferenceRequest):
+    """A request made inside the server (an ensemble step) whose inputs may be torch tensors
+    and which takes the outputs named in ``keep_tensors`` as tensors on the producing device.
+
+    Attributes:
+        keep_tensors: Output names it takes as ``torch.Tensor`` when the backend gives them;
+            every other output comes back as a numpy array, as for any request.
+    """
+
+    keep_tensors: frozenset[str] = field(default_factory=frozenset)
+
+
+def kept_tensors(request: InferenceRequest) -> frozenset[str]:
+    """The outputs ``request`` takes as device tensors (empty for a client's request)."""
+    return request.keep_tensors if isinstance(request, HandoffRequest) else frozenset()
+
+
+def wants_tensors(items: Sequence[Pending]) -> bool:
+    """Whether a request of the batch takes an output as a device tensor: the instance then
+    calls ``Backend.postprocess_tensors`` instead of ``postprocess``."""
+    return any(isinstance(i.request, HandoffRequest) and i.request.keep_tensors for i in items)
+
+
 def request_rows(request: InferenceRequest, batched: bool) -> int:
     """Rows of ``request``: the first dimension of its (first) input when the model batches,
     else 1. The protocol layer has already checked that every input agrees on it."""
@@ -70,7 +104,7 @@ def request_rows(request: InferenceRequest, batched: bool) -> int:
 def shape_key(request: InferenceRequest) -> ShapeKey:
     """Non-batch shapes of ``request``'s inputs, ``((name, shape[1:]), ...)``: only requests with
     equal keys are stacked into one batch."""
-    return tuple([(name, array.shape[1:]) for name, array in request.inputs.items()])
+    return tuple([(name, tuple(array.shape[1:])) for name, array in request.inputs.items()])
 
 
 def stack_inputs(items: Sequence[Pending]) -> dict[str, np.ndarray]:
@@ -82,15 +116,22 @@ def stack_inputs(items: Sequence[Pending]) -> dict[str, np.ndarray]:
 
     Returns:
         Input name -> array of ``sum(rows)`` rows (same dtype as the requests'). A batch of one
-        request gets that request's own arrays, not copies.
+        request gets that request's own arrays, not copies. An input that some request holds
+        as a ``torch.Tensor`` (handed on by an ensemble step) is a tensor on that tensor's
+        device (``torch.cat``; numpy parts are copied onto it): only backends that
+        ``takes_tensors`` are given such requests.
     """
     first = items[0].request.inputs
     if len(items) == 1:
         return first
-    return {
-        name: np.concatenate([item.request.inputs[name] for item in items], axis=0)
-        for name in first
-    }
+    stacked: dict[str, Any] = {}
+    for name in first:
+        parts = [item.request.inputs[name] for item in items]
+        if all(type(part) is np.ndarray for part in parts):
+            stacked[name] = np.concatenate(parts, axis=0)
+        else:
+            stacked[name] = _tensors.concat(parts)
+    return stacked
 
 
 def check_outputs(spec: OutputSpec, outputs: Mapping[str, np.ndarray], rows: int) -> None:
@@ -138,8 +179,12 @@ def split_outputs(
     Returns:
         Per item, in order: the requested outputs (``request.requested_outputs``, or every
         declared one) as views of its rows, or its error. A batch of one request gets the
-        arrays themselves.
+        arrays themselves. Tensor outputs (``Backend.postprocess_tensors``) stay tensors for
+        the outputs a request keeps (:func:`kept_tensors`); every other request gets them as
+        numpy arrays, each output moved to the host once for the whole batch.
     """
+    if any(type(value) is not np.ndarray for value in outputs.values()):
+        outputs = _HostOnDemand(outputs)
     results: list[Outputs | GpuserveError] = []
     whole = len(items) == 1
     offset = 0
@@ -152,12 +197,43 @@ def split_outputs(
                 results.append(row_error(spec, failed[0] - offset, row_errors[failed[0]]))
                 offset = end
                 continue
-        if whole:
+        if isinstance(outputs, _HostOnDemand):
+            results.append(outputs.rows(names, kept_tensors(item.request), offset, end, whole))
+        elif whole:
             results.append({name: outputs[name] for name in names})
         else:
             results.append({name: outputs[name][offset:end] for name in names})
         offset = end
     return results
+
+
+class _HostOnDemand(dict):  # type: ignore[type-arg]
+    """A batch's outputs, some of them tensors: each tensor converted to a host array at
+    most once, for the first request that needs host data."""
+
+    def __init__(self, outputs: Mapping[str, Any]) -> None:
+        super().__init__(outputs)
+        self._host: dict[str, np.ndarray] = {}
+
+    def host(self, name: str) -> Any:
+        value = self[name]
+        if not _tensors.is_tensor(value):
+            return value
+        array = self._host.get(name)
+        if array is None:
+            array = self._host[name] = _tensors.to_host(value)
+        return array
+
+    def rows(
+        self, names: Sequence[str], keep: frozenset[str], start: int, end: int, whole: bool
+    ) -> Outputs:
+        """One request's outputs: rows ``start:end`` (all of them when ``whole``), tensors for
+        the names in ``keep``, host arrays for the others."""
+        picked: Outputs = {}
+        for name in names:
+            value = self[name] if name in keep else self.host(name)
+            picked[name] = value if whole else value[start:end]
+        return picked
 
 
 def row_error(spec: OutputSpec, row: int, error: object) -> GpuserveError:

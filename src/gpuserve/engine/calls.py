@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -109,6 +110,7 @@ class InProcessCaller:
         version: str | None = None,
         outputs: Sequence[str] | None = None,
         request_id: str | None = None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> concurrent.futures.Future[InferenceResponse]:
         """Queue a call and return its (thread-safe) future at once.
 
@@ -134,6 +136,7 @@ class InProcessCaller:
             inputs=dict(inputs),
             requested_outputs=list(outputs) if outputs is not None else None,
             id=request_id,
+            parameters=dict(parameters or {}),
         )
         return asyncio.run_coroutine_threadsafe(self._run(request), self.loop)
 
@@ -169,6 +172,7 @@ class InProcessCaller:
         outputs: Sequence[str] | None = None,
         timeout_s: float | None = None,
         request_id: str | None = None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> InferenceResponse:
         """Call ``model`` and wait (blocking this thread) for its response.
 
@@ -179,6 +183,8 @@ class InProcessCaller:
             outputs: Outputs to return, None for all.
             timeout_s: Longest wait, seconds (default :data:`DEFAULT_TIMEOUT_S`).
             request_id: An id for its logs and response.
+            parameters: Request parameters (``sequence_id``, ``sequence_start``,
+                ``sequence_end`` route a call to a sequence model), None for none.
 
         Raises:
             GpuserveError: what the callee's request failed with (InvalidInputError,
@@ -186,7 +192,14 @@ class InProcessCaller:
                 RequestTimeoutError after ``timeout_s``.
         """
         limit = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        future = self.submit(model, inputs, version=version, outputs=outputs, request_id=request_id)
+        future = self.submit(
+            model,
+            inputs,
+            version=version,
+            outputs=outputs,
+            request_id=request_id,
+            parameters=parameters,
+        )
         try:
             return future.result(limit)
         except concurrent.futures.TimeoutError:

@@ -1,13 +1,25 @@
 """Decoupled execution: one request, a stream of responses, on the instances of one version.
 
-A model with ``model_transaction_policy: {decoupled: true}`` is not batched: each request is
-handed alone to a free instance's backend (``backend.stream(inputs, sink)``, see
-:mod:`gpuserve.backends.streaming`) on a thread of its own, which holds that instance until
-``stream`` returns (a generator's whole run; a Triton ``execute`` that hands its response
-sender to a thread of its own frees the instance sooner). Requests beyond the free instances
-wait in a FIFO bounded by ``dynamic_batching.max_queue_size`` (429 beyond it); a request whose
-queue timeout passed before an instance freed fails with 504; one whose client went away is
-dropped before it runs.
+A model with ``model_transaction_policy: {decoupled: true}`` runs each request alone on a free
+instance's backend (``backend.stream(inputs, sink)``, see :mod:`gpuserve.backends.streaming`)
+on a thread of its own, which holds that instance until ``stream`` returns (a generator's
+whole run; a Triton ``execute`` that hands its response sender to a thread of its own frees
+the instance sooner). Requests beyond the free instances wait in a FIFO bounded by
+``dynamic_batching.max_queue_size`` (429 beyond it); a request whose queue timeout passed
+before an instance freed fails with 504; one whose client went away is dropped before it runs.
+
+**Batches of streams**: with ``dynamic_batching`` and ``max_batch_size > 0``, and backends that
+run several requests in one call (``streams_batches``: Triton's ``execute(requests)``), the
+queue is a :class:`~gpuserve.engine.decoupled_batching.StreamBatcher` (the dynamic batcher's
+rules: rows up to ``max_batch_size``, ``max_queue_delay_us``, preferred sizes, queue timeouts,
+a timer for the delay) and a free instance gets a batch: ``backend.stream_batch([StreamCall(
+inputs, channel), ...])``, one channel per request. Each request keeps its own stream: its
+id, its bounded buffer, its cancel (only its sender's ``is_cancelled()`` turns True), its
+response statistics. An exception from the call fails every request of it that had not
+ended. The execution is counted once for the batch (its rows and requests, the call's time);
+each request is counted when its own stream ends. Back-pressure stays per request: a send to
+a full buffer waits on that request's reader alone (so a model that sends every request's
+responses from one thread waits for the slowest reader; a thread per request does not).
 
 Each stream's responses pass through its :class:`~gpuserve.engine.stream_buffer.ResponseChannel`
 (bounded: the model blocks while the client reads slowly). When the stream ends (final
@@ -38,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuserve.backends.python import to_numpy_dict
+from gpuserve.backends.streaming import StreamCall
+from gpuserve.engine.decoupled_batching import StreamBatcher, batches_streams
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.response_stats import ResponseOutcome
 from gpuserve.engine.stats import BatchStats, RequestStats
@@ -72,6 +86,7 @@ class StreamJob:
         running: Its backend call holds an instance now.
         cancelled_s: When it was cancelled while running (its cancel is counted when the
             call returns), or None.
+        batched: It ran in a batch of streams (its execution is counted with the batch's).
     """
 
     request: InferenceRequest
@@ -83,6 +98,7 @@ class StreamJob:
     deadline_s: float | None = None
     running: bool = False
     cancelled_s: float | None = None
+    batched: bool = False
 
 
 class DecoupledExecutor:
@@ -101,6 +117,8 @@ class DecoupledExecutor:
         active: Streams whose backend call holds an instance now.
         streaming: Streams started and not yet ended (a Triton model's may outlive its
             ``execute``); the version's drain waits for them.
+        batcher: The batching queue when requests run in batches of streams (module
+            docstring), else None (one request per call).
     """
 
     def __init__(
@@ -125,6 +143,15 @@ class DecoupledExecutor:
         self._declared = {t.name for t in self.config.outputs}
         # Held directly (it references nothing): counting a response is on the hot path.
         self._responses = scheduler.stats.responses
+        self.batcher: StreamBatcher[StreamJob] | None = None
+        backends = [instance.backend for instance in scheduler.instances]
+        if (
+            batches_streams(self.config)
+            and backends
+            and all(getattr(b, "streams_batches", False) for b in backends)
+        ):
+            self.batcher = StreamBatcher(self.config)
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def scheduler(self) -> ModelScheduler:
@@ -141,7 +168,7 @@ class DecoupledExecutor:
     @property
     def queued(self) -> int:
         """Requests waiting for an instance."""
-        return len(self._waiting)
+        return len(self._waiting) if self.batcher is None else len(self.batcher)
 
     def open(self, request: InferenceRequest, rows: int) -> StreamJob:
         """Admit ``request``: run it now on a free instance, or queue it.
@@ -153,9 +180,9 @@ class DecoupledExecutor:
         policy = self.config.dynamic_batching
         if not self.scheduler.core.accepting:
             raise UnavailableError(f"model '{self.name}' is unloading")
-        if len(self._waiting) >= policy.max_queue_size:
+        if self.queued >= policy.max_queue_size:
             raise OverloadedError(
-                f"model '{self.name}': {len(self._waiting)} streams wait for an "
+                f"model '{self.name}': {self.queued} streams wait for an "
                 f"instance (max_queue_size {policy.max_queue_size})",
                 retry_after_s=1.0,
             )
@@ -175,16 +202,34 @@ class DecoupledExecutor:
             on_response=lambda item: self._counted(job, item),
             clock=self.clock,
         )
-        self._waiting.append(job)
+        if self.batcher is not None:
+            self.batcher.add(job, request, rows, now, job.deadline_s)
+        else:
+            self._waiting.append(job)
         self._dispatch()
         return job
 
     # -- dispatch (loop thread) ------------------------------------------------------------
 
+    def _free_instance(self, instances: list[Instance]) -> int | None:
+        return next((i for i in range(len(instances)) if i not in self._busy), None)
+
+    def _timed_out(self, job: StreamJob) -> None:
+        job.channel.send(
+            None,
+            final=True,
+            error=RequestTimeoutError(
+                f"model '{self.name}': the queue timeout passed before an instance was free"
+            ),
+        )
+
     def _dispatch(self) -> None:
+        if self.batcher is not None:
+            self._dispatch_batches(self.batcher)
+            return
         instances = self.scheduler.instances
         while self._waiting:
-            index = next((i for i in range(len(instances)) if i not in self._busy), None)
+            index = self._free_instance(instances)
             if index is None:
                 return
             job = self._waiting.popleft()
@@ -192,32 +237,62 @@ class DecoupledExecutor:
                 continue  # counted by the channel's on_done
             now = self.clock()
             if job.deadline_s is not None and now > job.deadline_s:
-                job.channel.send(
-                    None,
-                    final=True,
-                    error=RequestTimeoutError(
-                        f"model '{self.name}': the queue timeout passed before an instance was free"
-                    ),
-                )
+                self._timed_out(job)
                 continue
-            instance = instances[index]
-            self._busy.add(index)
+            self._start([job], instances[index], index, now)
+
+    def _dispatch_batches(self, batcher: StreamBatcher[StreamJob]) -> None:
+        """Start the due batches on the free instances; then arm the timer for the next
+        deadline or queue delay."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        now = self.clock()
+        for job in batcher.expired(now):
+            self._timed_out(job)
+        instances = self.scheduler.instances
+        while (index := self._free_instance(instances)) is not None:
+            batch = batcher.next_batch(now)
+            for job in batcher.gone():
+                job.channel.is_cancelled()  # its probe says so: the channel reports it
+            if batch is None:
+                break
+            jobs = [job for job in batch.jobs if not job.channel.is_cancelled()]
+            if jobs:
+                self._start(jobs, instances[index], index, now)
+        wake = batcher.next_wakeup(self._free_instance(instances) is not None)
+        if wake is not None and not self.loop.is_closed():
+            self._timer = self.loop.call_later(max(0.0, wake - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._scheduler() is not None:
+            self._dispatch()
+
+    def _start(self, jobs: list[StreamJob], instance: Instance, index: int, now: float) -> None:
+        """Run ``jobs`` on instance ``index`` (held until the call returns), on a thread."""
+        self._busy.add(index)
+        batched = self.batcher is not None
+        for job in jobs:
             job.started_s = now
             job.running = True
+            job.batched = batched
             job.channel.mark_started(now)
             self.active += 1
             self._hold(+1)
-            thread = threading.Thread(
-                target=self._run,
-                args=(job, instance, index),
-                name=f"gpuserve-{instance.name}-stream",
-                daemon=True,
-            )
-            thread.start()
+        thread = threading.Thread(
+            target=self._run_batch if batched else self._run,
+            args=(jobs, instance, index),
+            name=f"gpuserve-{instance.name}-stream",
+            daemon=True,
+        )
+        thread.start()
 
-    def _run(self, job: StreamJob, instance: Instance, index: int) -> None:
+    def _run(self, jobs: list[StreamJob], instance: Instance, index: int) -> None:
         """Worker thread: the backend's ``stream`` for one request."""
+        (job,) = jobs
         channel = job.channel
+        started_s = self.clock()
         try:
             stream = getattr(instance.backend, "stream", None)
             if stream is None:
@@ -226,17 +301,48 @@ class DecoupledExecutor:
         except BaseException as err:  # the model's failure ends its stream only
             channel.send(None, final=True, error=err)
         finally:
-            if not self.loop.is_closed():
-                self.loop.call_soon_threadsafe(self._release, job, index)
+            self._returned(jobs, index, self.clock() - started_s, True)
 
-    def _release(self, job: StreamJob, index: int) -> None:
-        self.active -= 1
+    def _run_batch(self, jobs: list[StreamJob], instance: Instance, index: int) -> None:
+        """Worker thread: the backend's ``stream_batch`` for a batch of requests; its
+        exception fails every request of the batch that has not ended."""
+        started_s = self.clock()
+        ok = True
+        try:
+            instance.backend.stream_batch(  # type: ignore[attr-defined]
+                [StreamCall(job.request.inputs, job.channel) for job in jobs]
+            )
+        except BaseException as err:
+            ok = False
+            error = self._to_error(err)  # logged once, sent to each
+            for job in jobs:
+                job.channel.send(None, final=True, error=error)
+        finally:
+            self._returned(jobs, index, self.clock() - started_s, ok)
+
+    def _returned(self, jobs: list[StreamJob], index: int, call_s: float, ok: bool) -> None:
+        """Worker thread: the backend call returned after ``call_s`` seconds."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._release, jobs, index, call_s, ok)
+
+    def _release(self, jobs: list[StreamJob], index: int, call_s: float, ok: bool) -> None:
+        self.active -= len(jobs)
         self._busy.discard(index)
-        job.running = False
-        if job.cancelled_s is not None:  # cancelled while it ran: its clean-up ends now
-            self._count_cancel(job, self.clock() - job.cancelled_s)
-        if self._scheduler() is not None:
-            self._dispatch()
+        now = self.clock()
+        for job in jobs:
+            job.running = False
+            if job.cancelled_s is not None:  # cancelled while it ran: its clean-up ends now
+                self._count_cancel(job, now - job.cancelled_s)
+        scheduler = self._scheduler()
+        if scheduler is None:
+            return
+        if self.batcher is not None:  # one execution for the batch (module docstring)
+            rows = sum(job.rows for job in jobs)
+            scheduler.stats.record_batch(
+                BatchStats(self.name, self.version, rows, len(jobs), 0.0, call_s, 0.0, ok)
+            )
+            self.batcher.instance_freed(now, call_s, rows)
+        self._dispatch()
 
     def _hold(self, change: int) -> None:
         """Count a stream that runs or ran on an instance until it ends, and keep the
@@ -299,6 +405,8 @@ class DecoupledExecutor:
 
     def _finished(self, job: StreamJob, outcome: GpuserveError | str | None) -> None:
         now = self.clock()
+        if job.started_s == 0.0 and self.batcher is not None:
+            self.batcher.remove(job)  # ended while queued (cancelled): free its place
         if job.started_s > 0.0:
             self._hold(-1)
             if isinstance(outcome, str):  # cancelled (by its client, or by the server)
@@ -322,7 +430,7 @@ class DecoupledExecutor:
             return  # unloaded: its statistics went with it
         stats = scheduler.stats
         name, version = self.name, self.version
-        if ran:
+        if ran and not job.batched:
             stats.record_batch(
                 BatchStats(name, version, job.rows, 1, 0.0, compute_s, 0.0, reason is None)
             )

@@ -7,9 +7,10 @@ request's progress: which steps may start (every tensor they consume exists), th
 produced so far, and the ensemble's outputs once every step is done. Nothing here waits or
 touches a scheduler: :mod:`gpuserve.engine.ensemble_scheduler` drives it on the event loop.
 
-Tensors are whatever the step models return (numpy arrays; torch tensors when a model returns
-them through a backend that keeps them), handed from step to step as they are: no copy, no
-encoding. :func:`step_problems` runs at load, once the steps' served configurations are known.
+Tensors are whatever the step models return, handed from step to step as they are: no copy,
+no encoding; a step output stays a ``torch.Tensor`` on its device where
+:mod:`gpuserve.engine.ensemble_handoff` says so. :func:`step_problems` runs at load, once the
+steps' served configurations are known.
 """
 
 from __future__ import annotations

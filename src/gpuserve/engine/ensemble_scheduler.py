@@ -6,7 +6,9 @@ It stands where a model version's :class:`~gpuserve.engine.scheduler.ModelSchedu
 submitted to the **step model's own scheduler**, so it is batched with that model's other
 traffic by that model's dynamic batcher, and each step's execution is counted in the step
 model's statistics. Intermediate tensors stay in the process, handed from one step's response
-to the next step's request as they are (no encoding, no copy).
+to the next step's request as they are (no encoding, no copy); where producer and consumers
+run on one device with backends that give and take tensors, they stay ``torch.Tensor`` on
+that device (:mod:`gpuserve.engine.ensemble_handoff`).
 
 The decisions are :class:`~gpuserve.engine.ensemble.EnsembleRun`'s (which steps may start);
 this module only waits, on the event loop, with no task per request: every step future
@@ -26,11 +28,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from gpuserve.backends import tensors as _tensors
 from gpuserve.config import ModelConfig
-from gpuserve.engine.assembly import request_rows
+from gpuserve.engine.assembly import HandoffRequest, request_rows
 from gpuserve.engine.ensemble import EnsemblePlan, EnsembleRun
+from gpuserve.engine.ensemble_handoff import HandoffDecision, host_inputs
 from gpuserve.engine.ensemble_stats import EnsembleStats, StepStats
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
 from gpuserve.engine.scheduler import ModelScheduler
@@ -77,6 +81,7 @@ class _Run:
     future: asyncio.Future[InferenceResponse]
     started: float
     rows: int
+    keep: tuple[frozenset[str], ...] = ()
     steps: dict[int, asyncio.Future[InferenceResponse]] = field(default_factory=dict)
     step_started: dict[int, float] = field(default_factory=dict)
     timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
@@ -138,6 +143,7 @@ class EnsembleScheduler(ModelScheduler):
         self._batched = config.max_batch_size > 0
         self._runs: set[_Run] = set()
         self._closing = False
+        self._handoff = HandoffDecision(self.plan)
         #: Why the ensemble is not ready (a step model not served), set by :attr:`healthy`.
         self.unhealthy_reason: str | None = None
 
@@ -183,6 +189,7 @@ class EnsembleScheduler(ModelScheduler):
             future,
             self.clock(),
             request_rows(request, self._batched) if request.inputs else 1,
+            self._keep(),
         )
         self._runs.add(run)
         self._idle.clear()
@@ -200,6 +207,25 @@ class EnsembleScheduler(ModelScheduler):
         return await self.submit(request)
 
     # -- steps -----------------------------------------------------------------------------
+
+    def _served(self, model: str, version: str | None) -> object | None:
+        if self.router.cold(model):
+            return None
+        try:
+            return self.router.scheduler(model, version)
+        except GpuserveError:
+            return None
+
+    def _keep(self) -> tuple[frozenset[str], ...]:
+        """Per step, the outputs its request keeps as device tensors."""
+        return self._handoff.keep([self._served(s.model, s.version) for s in self.plan.steps])
+
+    def _step_inputs(self, run: _Run, index: int, scheduler: object) -> dict[str, Any]:
+        stats = self.stats
+        assert isinstance(stats, EnsembleStats)
+        state = run.state
+        inputs = state.step_inputs(index)
+        return host_inputs(self.plan, index, inputs, state.tensors, scheduler, stats.steps[index])
 
     def _launch(self, run: _Run, indices: list[int]) -> None:
         for index in indices:
@@ -226,19 +252,21 @@ class EnsembleScheduler(ModelScheduler):
     def _submit_step(self, run: _Run, index: int) -> None:
         step = self.plan.steps[index]
         request = run.request
-        step_request = InferenceRequest(
-            model_name=step.model,
-            model_version=step.version,
-            inputs=run.state.step_inputs(index),
-            requested_outputs=step.requested_outputs,
-            id=request.id,
-            parameters=request.parameters,
-            priority=request.priority,
-            timeout_us=request.timeout_us,
-            is_cancelled=run.gone,
-        )
         try:
-            future = self.router.scheduler(step.model, step.version).submit(step_request)
+            scheduler = self.router.scheduler(step.model, step.version)
+            step_request = HandoffRequest(
+                model_name=step.model,
+                model_version=step.version,
+                inputs=self._step_inputs(run, index, scheduler),
+                requested_outputs=step.requested_outputs,
+                id=request.id,
+                parameters=request.parameters,
+                priority=request.priority,
+                timeout_us=request.timeout_us,
+                is_cancelled=run.gone,
+                keep_tensors=run.keep[index] if run.keep else frozenset(),
+            )
+            future = scheduler.submit(step_request)
         except Exception as err:  # refused (GpuserveError), or anything else: this run fails
             self._fail(run, index, err)
             return
@@ -310,6 +338,9 @@ class EnsembleScheduler(ModelScheduler):
         except KeyError as err:  # the service checked the names against the config
             self._fail(run, None, BackendError(f"ensemble output {err} was not produced"))
             return
+        for name, value in outputs.items():  # never kept as tensors; a guard for clients
+            if _tensors.is_tensor(value):
+                outputs[name] = _tensors.to_host(value)
         total_s = self.clock() - run.started
         response = InferenceResponse(
             model_name=self.name,

@@ -22,6 +22,10 @@ class StepStats:
         fail: Step requests that failed (or timed out), and their time.
         queue / compute: Of the successes: time queued in the step model's batcher, and its
             batch's execution time.
+        tensor_inputs: Inputs of its step requests handed over as device tensors (no host
+            round trip).
+        host_copies: Inputs that arrived as tensors but had to be moved to the host for it
+            (its model stopped taking tensors on that device since the producer ran).
     """
 
     index: int
@@ -30,6 +34,8 @@ class StepStats:
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
     compute: Duration = field(default_factory=Duration)
+    tensor_inputs: int = 0
+    host_copies: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """JSON form, in the shape of the statistics extension's durations."""
@@ -40,6 +46,8 @@ class StepStats:
             "fail": self.fail.as_dict(),
             "queue": self.queue.as_dict(),
             "compute": self.compute.as_dict(),
+            "tensor_inputs": self.tensor_inputs,
+            "host_copies": self.host_copies,
         }
 
 

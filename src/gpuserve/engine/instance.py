@@ -39,6 +39,7 @@ from gpuserve.engine.assembly import (
     check_outputs,
     split_outputs,
     stack_inputs,
+    wants_tensors,
 )
 from gpuserve.engine.batch import Batch, BatchResult, Outputs, Pending
 from gpuserve.engine.padding import PaddingSpec
@@ -310,7 +311,10 @@ class Instance:
         self._trace.begin("postprocess", job)
         if job.error is None:
             try:
-                outputs = self.backend.postprocess(job.raw)
+                if wants_tensors(job.batch.items):  # an ensemble step takes device tensors
+                    outputs = self.backend.postprocess_tensors(job.raw)
+                else:
+                    outputs = self.backend.postprocess(job.raw)
                 check_outputs(self._outputs, outputs, job.batch.rows)
                 row_errors = outputs.errors if isinstance(outputs, RowErrors) else None
                 job.results = split_outputs(self._outputs, job.batch.items, outputs, row_errors)

@@ -52,6 +52,7 @@ from gpuserve.engine.lengths import default_batch_tokens
 from gpuserve.engine.outcomes import Completion, Hung, Outcomes, Schedule
 from gpuserve.engine.padding import PaddingSpec
 from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.reshape import ReshapeSpec
 from gpuserve.engine.sequence import SequenceBatcher
 from gpuserve.engine.stats import ModelStats
 from gpuserve.errors import (
@@ -131,6 +132,8 @@ class SchedulerCore(Generic[W]):
         self._batched = config.max_batch_size > 0
         #: How variable-length inputs are padded into one batch (None: they are not).
         self.padding = PaddingSpec.of(config)
+        #: Tensors whose reshape differs from their shape (None: none do).
+        self.reshape = ReshapeSpec.of(config)
         #: Requests with a sequence id carry it per row (Triton models' correlation_id()).
         self._correlated = False
         self._priority_levels = db.priority_levels
@@ -205,6 +208,11 @@ class SchedulerCore(Generic[W]):
                 )
             )
         timeout_us = request.timeout_us or self._default_timeout_us
+        if self.reshape is not None:  # the model's shapes from here on (engine/reshape.py)
+            try:
+                request = self.reshape.request(request)
+            except InvalidInputError as err:
+                raise self._outcomes.refused(err) from None
         rows = request_rows(request, self._batched)
         if self._correlated:
             add_correlation_input(request, rows)
@@ -353,6 +361,8 @@ class SchedulerCore(Generic[W]):
             for item in items:
                 self._finish(item, error, result.started_s - item.arrival_s, 0.0, now)
             return Completion(items)
+        if self.reshape is not None:  # outputs back in the clients' shapes
+            result.results = self.reshape.results(result.results)
         self._outcomes.answered(result, now)
         self.in_flight_requests -= len(items)
         return Completion(items)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,8 @@ from gpuserve.datatypes import numpy_dtype
 from gpuserve.engine.assembly import shape_key
 from gpuserve.engine.batch import Batch, Pending
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.errors import BackendError, ConfigError
+from gpuserve.engine.reshape import ReshapeSpec
+from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 
 __all__ = [
     "WarmupBatch",
@@ -311,11 +312,20 @@ def warmup_batches(
     _check(config, model_dir)
     rng = rng if rng is not None else np.random.default_rng()
     batched = config.max_batch_size > 0
+    reshape = ReshapeSpec.of(config)
     batches = []
     for index, sample in enumerate(config.model_warmup):
         if sample.batch_size == 0:
             continue
-        batches.append(_batch(sample, sample_label(index, sample), model_dir, batched, rng))
+        batch = _batch(sample, sample_label(index, sample), model_dir, batched, rng)
+        if reshape is not None:  # the model sees its reshape, as admission gives it requests
+            label = batch.label
+            try:
+                row = reshape.request(InferenceRequest(config.name or "", None, batch.row)).inputs
+            except InvalidInputError as err:
+                raise ConfigError(f"{label}: {err}") from None
+            batch = replace(batch, row=dict(row))
+        batches.append(batch)
     return batches
 
 

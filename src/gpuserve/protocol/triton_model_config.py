@@ -3,8 +3,9 @@ protobuf message over gRPC (``ModelConfig``), as JSON over HTTP (``GET /v2/model
 and handed to Triton Python models as ``args["model_config"]``.
 
 The fields carried are those gpuserve has an equivalent for: name, platform/backend,
-max_batch_size, inputs and outputs with ``TYPE_*`` datatypes and dims, dynamic batching and its
-queue policy, instance groups, version policy, CUDA graphs and parameters.
+max_batch_size, inputs and outputs with ``TYPE_*`` datatypes, dims and reshape, dynamic batching
+and its queue policy, instance groups, version policy, CUDA graphs, parameters and the
+``model_warmup`` samples.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 import orjson
 from google.protobuf import json_format
 
-from gpuserve.config import ModelConfig
+from gpuserve.config import ModelConfig, TensorSpec
+from gpuserve.config_warmup import WarmupSample
 from gpuserve.protocol.protos import model_config_pb2 as mc
 from gpuserve.protocol.triton_scheduling import scheduling_fields
 
@@ -42,6 +44,7 @@ _KIND = {
 #: 64-bit fields, which protobuf's JSON mapping writes as strings; Triton writes numbers.
 _INT64_FIELDS = {
     "dims",
+    "shape",
     "max_queue_delay_microseconds",
     "default_timeout_microseconds",
     "versions",
@@ -66,6 +69,30 @@ def _version_policy(config: ModelConfig) -> mc.ModelVersionPolicy:
     return mc.ModelVersionPolicy(latest=mc.ModelVersionPolicy.Latest(num_versions=latest))
 
 
+def _reshape(spec: TensorSpec) -> dict[str, mc.ModelTensorReshape]:
+    """``reshape`` as a keyword of ModelInput/ModelOutput; nothing when the spec has none
+    (the field is then absent from the message, as in Triton)."""
+    if spec.reshape is None:
+        return {}
+    return {"reshape": mc.ModelTensorReshape(shape=spec.reshape)}
+
+
+def _warmup(sample: WarmupSample) -> mc.ModelWarmup:
+    inputs = {}
+    for key, given in sample.inputs.items():
+        entry = mc.ModelWarmup.Input(data_type=CONFIG_DATATYPE[given.data_type], dims=given.dims)
+        if given.input_data_file is not None:  # the one source set (WarmupInput checks it)
+            entry.input_data_file = given.input_data_file
+        elif given.random_data is not None:
+            entry.random_data = True
+        else:
+            entry.zero_data = True
+        inputs[key] = entry
+    return mc.ModelWarmup(
+        name=sample.name, batch_size=sample.batch_size, inputs=inputs, count=sample.count
+    )
+
+
 def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.ModelConfig:
     """Triton's ``ModelConfig`` message for ``config``.
 
@@ -87,6 +114,7 @@ def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.Mod
                 dims=t.shape,
                 optional=t.optional,
                 format=t.format or "FORMAT_NONE",
+                **_reshape(t),
             )
             for t in config.inputs
         ],
@@ -96,6 +124,7 @@ def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.Mod
                 data_type=CONFIG_DATATYPE[t.datatype],
                 dims=t.shape,
                 label_filename=t.label_filename or "",
+                **_reshape(t),
             )
             for t in config.outputs
         ],
@@ -113,6 +142,7 @@ def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.Mod
             key: mc.ModelParameter(string_value=_parameter_text(value))
             for key, value in config.parameters.items()
         },
+        model_warmup=[_warmup(sample) for sample in config.model_warmup],
     )
 
 

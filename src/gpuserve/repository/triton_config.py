@@ -5,7 +5,7 @@ Served as Triton means it: ``name``, ``platform``/``backend`` (``onnxruntime_onn
 ``onnxruntime`` -> ``onnx``, ``pytorch_libtorch`` / ``pytorch`` -> ``torch`` with a TorchScript
 ``model.pt``, ``python`` -> ``python`` with Triton's Python backend API), ``max_batch_size``
 (0 or omitted: no batching, as in Triton), ``input``/``output`` (``data_type``, ``dims``,
-``optional``, a ``reshape`` equal to ``dims``), ``dynamic_batching`` (preferred sizes, delay,
+``optional``, ``reshape``), ``dynamic_batching`` (preferred sizes, delay,
 priority levels, default queue policy), ``instance_group`` (count, kind, gpus),
 ``version_policy``, ``parameters`` (``string_value``), ``default_model_filename`` (the
 backend's own file name), ``optimization.cuda.graphs`` and the pinned-memory switches (gpuserve
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuserve.config import ModelConfig, parse_model_config
+from gpuserve.config_reshape import reshape_problem
 from gpuserve.errors import ConfigError
 from gpuserve.repository.pbtxt import Message, Value, read_pbtxt
 from gpuserve.repository.triton_ensemble import ensemble_section
@@ -188,6 +189,12 @@ class _Mapper:
             self.tensor(t, f"output[{i}].", output=True)
             for i, t in enumerate(tree.get("output", []))
         ]
+        for kind in ("input", "output"):  # Triton's reshape rules, named by pbtxt field
+            for i, spec in enumerate(out[f"{kind}s"]):
+                batching = out["max_batch_size"] > 0
+                problem = reshape_problem(spec["shape"], spec.get("reshape"), batching)
+                if problem is not None:
+                    raise self.fail(f"{kind}[{i}].reshape", problem, spec.get("reshape"))
         sequence = self.sub(tree, "sequence_batching", "")
         if sequence is not None:  # stateful models (repository/triton_sequence.py)
             out["sequence_batching"] = sequence_batching(self, sequence)
@@ -272,12 +279,8 @@ class _Mapper:
             if dim < -1 or dim == 0:
                 raise self.fail(f"{where}dims", "each dim must be a positive integer or -1", dims)
         reshape = self.sub(msg, "reshape", where)
-        if reshape is not None and self.ints(reshape, "shape", f"{where}reshape.") != dims:
-            raise self.fail(
-                f"{where}reshape",
-                f"{_LATER} (only a reshape equal to dims {dims})",
-                self.ints(reshape, "shape", f"{where}reshape."),
-            )
+        if reshape is not None:
+            self.only(reshape, {"shape"}, f"{where}reshape.")
         fmt = self.text(msg, "format", where)
         if fmt not in (None, "FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC") or (fmt and output):
             raise self.fail(
@@ -288,6 +291,8 @@ class _Mapper:
             "datatype": self.datatype(msg, where),
             "shape": dims,
         }
+        if reshape is not None:  # checked against dims in model() (Triton's rules)
+            spec["reshape"] = self.ints(reshape, "shape", f"{where}reshape.")
         if not output and self.flag(msg, "optional", where):
             spec["optional"] = True
         if fmt in ("FORMAT_NCHW", "FORMAT_NHWC"):

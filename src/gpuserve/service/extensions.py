@@ -4,7 +4,8 @@ classification, and the server metadata that lists what is on.
 * Shared memory is off unless ``allow_client_shm`` is set; then :attr:`Extensions.shared_memory`
   is the server's one registry of system shared-memory regions (both front ends use it, so a
   region registered over HTTP serves gRPC requests too) and :attr:`Extensions.cuda_shared_memory`
-  answers the CUDA API (status and unregister; registration refused).
+  holds the CUDA regions (opened over CUDA IPC where torch sees a GPU; registration refused
+  clearly on a CPU-only server).
 * :attr:`Extensions.traces` and :attr:`Extensions.logs`: Triton's trace and log settings
   (see :mod:`gpuserve.service.runtime_settings`).
 * :meth:`Extensions.classify` turns the outputs a request asked ``classification: k`` of into
@@ -75,8 +76,10 @@ class Extensions:
     def __init__(self, manager: ModelManager, config: ServerConfig) -> None:
         self.manager = manager
         allowed = config.allow_client_shm
-        self.shared_memory = SharedMemoryRegistry() if allowed else None
+        # one namespace for both kinds, as in Triton; the codecs reach CUDA regions through
+        # the system registry's view()
         self.cuda_shared_memory = CudaSharedMemoryRegistry() if allowed else None
+        self.shared_memory = SharedMemoryRegistry(cuda=self.cuda_shared_memory) if allowed else None
         self.labels = LabelFiles()
         self.traces = TraceSettings(config.trace_dir)
         self.logs = LogSettings()

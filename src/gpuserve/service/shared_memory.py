@@ -17,9 +17,12 @@ Unregistering a region that a request in flight still reads or writes is safe: t
 holds a view, which keeps the mapping alive until the request ends (the mapping is closed when
 the last view goes).
 
-:class:`CudaSharedMemoryRegistry` answers the CUDA shared-memory API: status and unregister of
-what is registered, and a clear refusal of registration (gpuserve does not open CUDA IPC
-handles: its engine hands host arrays to the backends).
+:class:`~gpuserve.service.cuda_shared_memory.CudaSharedMemoryRegistry` (re-exported here) holds
+the CUDA regions. System and CUDA region names share one namespace, as in Triton, and the
+codecs reach both through this registry's :meth:`SharedMemoryRegistry.view`: a CUDA region's
+range comes back as a :class:`~gpuserve.service.cuda_shared_memory.DeviceRange`, which the
+codecs use as they use a view (``toreadonly()`` for an input copies it device -> host once;
+slice assignment for an output copies it host -> device once).
 """
 
 from __future__ import annotations
@@ -31,9 +34,24 @@ import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from gpuserve.errors import InvalidInputError
+from gpuserve.service.cuda_shared_memory import (
+    CudaRegionStatus,
+    CudaSharedMemoryRegistry,
+    DeviceRange,
+)
+
+__all__ = [
+    "SHM_ROOT",
+    "CudaRegionStatus",
+    "CudaSharedMemoryRegistry",
+    "DeviceRange",
+    "RegionStatus",
+    "SharedMemoryReader",
+    "SharedMemoryRegistry",
+]
 
 #: Where POSIX shared-memory objects live on Linux (``shm_open(key)`` is ``/dev/shm/key``).
 SHM_ROOT = Path("/dev/shm")
@@ -87,12 +105,23 @@ class SharedMemoryRegistry:
 
     Args:
         root: Folder of the shared-memory objects (``/dev/shm``; a temporary folder in tests).
+        cuda: The server's CUDA regions, which share this registry's namespace and are
+            reached through :meth:`view` too; None: system regions only.
     """
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(
+        self, root: Path | None = None, cuda: CudaSharedMemoryRegistry | None = None
+    ) -> None:
         self.root = root
+        self.cuda = cuda
         self._regions: dict[str, _Region] = {}
         self._lock = threading.Lock()
+        if cuda is not None:
+            cuda.names_in_use = self.has
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a registered system region."""
+        return name in self._regions
 
     def _path(self, key: str) -> Path:
         path = _shm_path(key)
@@ -114,7 +143,7 @@ class SharedMemoryRegistry:
             )
         path = self._path(key)
         with self._lock:
-            if name in self._regions:
+            if name in self._regions or (self.cuda is not None and self.cuda.has(name)):
                 raise InvalidInputError(
                     f"shared-memory region {name!r} is already registered; unregister it first"
                 )
@@ -173,8 +202,14 @@ class SharedMemoryRegistry:
         return [region.status]
 
     def view(self, name: str, offset: int, byte_size: int) -> memoryview:
-        """See :meth:`SharedMemoryReader.view`."""
+        """See :meth:`SharedMemoryReader.view`; a CUDA region's range is a
+        :class:`~gpuserve.service.cuda_shared_memory.DeviceRange` (what the codecs call on a
+        view, it has: ``toreadonly()`` and slice assignment)."""
         region = self._regions.get(name)
+        if region is None and self.cuda is not None:
+            device = self.cuda.device_range(name, offset, byte_size)
+            if device is not None:
+                return cast(memoryview, device)
         if region is None:
             raise InvalidInputError(f"Unable to find system shared memory region: {name!r}")
         limit = region.status.byte_size
@@ -192,75 +227,7 @@ class SharedMemoryRegistry:
             ) from None
 
     def close(self) -> None:
-        """Unregister every region (server shutdown)."""
+        """Unregister every region, CUDA regions too (server shutdown)."""
         self.unregister(None)
-
-
-@dataclass(frozen=True, slots=True)
-class CudaRegionStatus:
-    """One registered CUDA shared-memory region, as the status API reports it.
-
-    Attributes:
-        name: The name the client registered it under.
-        device_id: The CUDA device of the allocation.
-        byte_size: Length of the region, bytes.
-    """
-
-    name: str
-    device_id: int
-    byte_size: int
-
-
-class CudaSharedMemoryRegistry:
-    """Triton's CUDA shared-memory API on a server that does not open CUDA IPC handles:
-    status lists nothing, unregister succeeds (nothing to forget), register is refused.
-
-    Args:
-        cuda_available: Whether this process sees a CUDA device (only changes the wording
-            of the refusal); None: asked of torch, when installed, at the first refusal.
-    """
-
-    def __init__(self, cuda_available: bool | None = None) -> None:
-        self._cuda = cuda_available
-
-    @property
-    def cuda_available(self) -> bool:
-        """Whether this process sees a CUDA device."""
-        if self._cuda is None:
-            try:
-                import torch
-
-                self._cuda = bool(torch.cuda.is_available())
-            except Exception:  # torch missing or broken: no device to talk about
-                self._cuda = False
-        return self._cuda
-
-    def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        """Refuse: gpuserve cannot map another process's CUDA allocation.
-
-        Raises:
-            InvalidInputError: always; says to use system shared memory instead.
-        """
-        why = (
-            "gpuserve does not open CUDA IPC handles"
-            if self.cuda_available
-            else "this server has no CUDA device"
-        )
-        raise InvalidInputError(
-            f"cannot register CUDA shared-memory region {name!r} (device {device_id}, "
-            f"{byte_size} bytes): {why}; register system shared memory instead "
-            f"(tritonclient.utils.shared_memory)"
-        )
-
-    def unregister(self, name: str | None = None) -> None:
-        """Nothing is ever registered: succeeds, as Triton does for an unknown name."""
-
-    def status(self, name: str | None = None) -> list[CudaRegionStatus]:
-        """Every region (none), or ``name``.
-
-        Raises:
-            InvalidInputError: ``name`` is given (it cannot be registered).
-        """
-        if name:
-            raise InvalidInputError(f"Unable to find cuda shared memory region: {name!r}")
-        return []
+        if self.cuda is not None:
+            self.cuda.close()

@@ -19,6 +19,12 @@ Triton model treats as it treats any request with its own batch dimension; the r
 responses go back to the requests that sent them. With ``max_batch_size: 0`` every request is
 its own batch and ``execute`` gets it whole.
 
+Decoupled models (``model_transaction_policy { decoupled: true }``) get their requests whole,
+never split into rows: one request per ``execute``, or, with ``dynamic_batching`` and
+``max_batch_size > 0``, the requests of a batch (``stream_batch``), each with its own
+``get_response_sender()`` whose responses, final flag and ``is_cancelled()`` are that request's
+alone (see :mod:`gpuserve.engine.decoupled_batching`).
+
 ``request.correlation_id()`` is the request's ``sequence_id`` (an ``int``, or a ``str`` for a
 string id; 0 without one), for sequence models and any other: the engine carries it per row
 (:mod:`gpuserve.backends.correlation`), a decoupled request with its parameters.
@@ -30,6 +36,7 @@ import asyncio
 import inspect
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +51,7 @@ from gpuserve.backends.correlation import (
 )
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.python import PythonBackend
-from gpuserve.backends.streaming import ResponseSink
+from gpuserve.backends.streaming import ResponseSink, StreamCall
 from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.datatypes import numpy_dtype
@@ -240,16 +247,33 @@ class TritonPythonRunner(Backend):
         """Decoupled execution: ``execute([request])`` with the request's response sender
         bound to ``sink``; ``execute`` returns None and the model sends the responses, from
         ``execute`` or its own threads (see :mod:`gpuserve.backends.streaming`)."""
-        request = pb_utils.InferenceRequest(
-            [pb_utils.Tensor(name, array) for name, array in inputs.items()],
-            model_name=self.name,
-            request_id=sink.request_id,
-            correlation_id=sequence_id_of(sink.parameters) or NO_ID,
-            parameters=sink.parameters,
-        )
-        request._sender = pb_utils.InferenceResponseSender(_ErrorMapping(sink))  # type: ignore[attr-defined]
+        self.stream_batch([StreamCall(inputs, sink)])
+
+    def stream_batch(self, calls: Sequence[StreamCall]) -> None:
+        """Decoupled execution of several requests in one ``execute(requests)``: one
+        ``InferenceRequest`` per call, in order, each with its own response sender bound to
+        its call's sink (its id, parameters and correlation id).
+
+        Raises:
+            BackendError: ``execute`` returned responses instead of None.
+            Exception: what ``execute`` raised (the engine fails every request of the call).
+        """
+        requests = []
+        for call in calls:
+            sink = call.sink
+            request = pb_utils.InferenceRequest(
+                [pb_utils.Tensor(name, array) for name, array in call.inputs.items()],
+                model_name=self.name,
+                request_id=sink.request_id,
+                correlation_id=sequence_id_of(sink.parameters) or NO_ID,
+                parameters=sink.parameters,
+            )
+            request._sender = pb_utils.InferenceResponseSender(_ErrorMapping(sink))  # type: ignore[attr-defined]
+            requests.append(request)
         with bls.installed(self.caller):  # a decoupled model may call other models too
-            returned = self.model.execute([request])
+            returned = self.model.execute(requests)
+            if inspect.iscoroutine(returned):  # ``async def execute``
+                returned = asyncio.run(returned)
         if returned is not None and not (isinstance(returned, (list, tuple)) and not returned):
             raise BackendError(
                 "a decoupled TritonPythonModel.execute must return None and send its "
@@ -352,6 +376,22 @@ class PythonModelBackend(Backend):
         if stream is None:
             raise BackendError("this python model cannot run decoupled")
         stream(inputs, sink)
+
+    @property
+    def streams_batches(self) -> bool:
+        """Whether several decoupled requests can run in one call (:meth:`stream_batch`):
+        a ``TritonPythonModel`` (``execute(requests)``); gpuserve's ``generate`` cannot."""
+        return isinstance(self.impl, TritonPythonRunner)
+
+    def stream_batch(self, calls: Sequence[StreamCall]) -> None:
+        """Decoupled execution of several requests in one call (see
+        :mod:`gpuserve.backends.streaming`); one request per call for a ``Model``."""
+        impl = self._impl()
+        if isinstance(impl, TritonPythonRunner):
+            impl.stream_batch(calls)
+            return
+        for call in calls:  # gpuserve's generator API has no batched form
+            self.stream(call.inputs, call.sink)
 
     def unload(self) -> None:
         if self.impl is not None:

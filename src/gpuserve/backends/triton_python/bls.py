@@ -10,11 +10,20 @@ report a failure (the call never raises for the callee's errors, as in Triton), 
 installs for its thread while ``execute`` runs (:func:`installed`); it is submitted to the
 callee's own scheduler and waits at most the request's ``timeout`` (microseconds, Triton's
 unit; default 30 s), so a cycle of models calling each other fails instead of hanging.
+
+Sequences: ``InferenceRequest(..., correlation_id=id, flags=...)`` calls a sequence model as a
+client's ``sequence_id`` would: the id (a non-zero ``int`` or a non-empty ``str``) becomes the
+call's ``sequence_id`` parameter, ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` / ``_END`` in
+``flags`` its ``sequence_start`` / ``sequence_end``, so the callee's sequence batcher routes it
+to the sequence's slot (its state carries across calls of one id) and the callee's
+``request.correlation_id()`` is that id. The request's ``parameters`` (a dict or a JSON
+object string) go with the call too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,6 +73,40 @@ def _error(message: str, code: int) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
+def call_parameters(request: pb_utils.InferenceRequest) -> dict[str, Any]:
+    """The parameters a BLS call carries: the request's own, plus ``sequence_id`` from its
+    correlation id and ``sequence_start`` / ``sequence_end`` from its flags (module
+    docstring).
+
+    Raises:
+        InvalidInputError: ``parameters`` is not a JSON object, or ``correlation_id`` is
+            neither an ``int`` nor a ``str``.
+    """
+    raw = request.parameters()
+    try:
+        parameters = json.loads(raw) if raw else {}
+    except ValueError:
+        parameters = None
+    if not isinstance(parameters, dict):
+        raise InvalidInputError(
+            f"InferenceRequest parameters: expected a dict or a JSON object, got {raw!r}"
+        )
+    correlation_id = request.correlation_id()
+    if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
+        raise InvalidInputError(
+            "InferenceRequest correlation_id: expected an int or a str, got "
+            f"{type(correlation_id).__name__}"
+        )
+    if correlation_id:  # 0 and "" name no sequence
+        parameters["sequence_id"] = correlation_id
+    flags = request.flags()
+    if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+        parameters["sequence_start"] = True
+    if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+        parameters["sequence_end"] = True
+    return parameters
+
+
 def run(request: pb_utils.InferenceRequest, caller: Any, decoupled: bool = False) -> Any:
     """Run ``request`` through ``caller`` and wrap the answer as an ``InferenceResponse``."""
     if caller is None:
@@ -81,6 +124,7 @@ def run(request: pb_utils.InferenceRequest, caller: Any, decoupled: bool = False
     version = int(options.get("model_version", -1))
     timeout_us = int(options.get("timeout", 0) or 0)
     try:
+        parameters = call_parameters(request)
         response = caller(
             request.model_name(),
             {t.name(): t.as_numpy() for t in request.inputs()},
@@ -88,6 +132,7 @@ def run(request: pb_utils.InferenceRequest, caller: Any, decoupled: bool = False
             outputs=request.requested_output_names() or None,
             timeout_s=timeout_us / 1e6 if timeout_us > 0 else None,
             request_id=request.request_id() or None,
+            **({"parameters": parameters} if parameters else {}),
         )
     except GpuserveError as err:
         code = _CODES.get(type(err), pb_utils.TritonError.INTERNAL)

@@ -162,7 +162,9 @@ class InferenceRequest:
     """One request handed to ``execute``: its inputs and what it asks for.
 
     Models may build one for business logic scripting and run it with :meth:`exec` or
-    :meth:`async_exec` (``model_version`` and ``timeout``, microseconds, are keywords too).
+    :meth:`async_exec` (``model_version`` and ``timeout``, microseconds, are keywords too);
+    ``correlation_id`` and ``flags`` then call a sequence model as a client's ``sequence_id``,
+    ``sequence_start`` and ``sequence_end`` would.
     """
 
     def __init__(
@@ -213,7 +215,9 @@ class InferenceRequest:
         return self._parameters
 
     def flags(self) -> int:
-        """Request flags (0)."""
+        """Request flags: on a request a model builds for BLS, the
+        ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` / ``_END`` bits it was given (a sequence
+        call's start and end, see :mod:`.bls`); 0 on the requests ``execute`` receives."""
         return self._flags
 
     def is_cancelled(self) -> bool:

@@ -5,8 +5,8 @@
                                                           "byte_size": 64}
     POST /v2/systemsharedmemory[/region/{r}]/unregister  one region, or every region
     GET  /v2/cudasharedmemory[/region/{r}]/status        (the same for CUDA regions;
-    POST /v2/cudasharedmemory/region/{r}/register         registration is refused: see
-    POST /v2/cudasharedmemory[/region/{r}]/unregister     gpuserve.service.shared_memory)
+    POST /v2/cudasharedmemory/region/{r}/register         {"raw_handle": {"b64": "..."},
+    POST /v2/cudasharedmemory[/region/{r}]/unregister     "device_id": 0, "byte_size": 64})
     GET  /v2/trace/setting, /v2/models/{m}/trace/setting the trace settings in effect
     POST /v2/trace/setting, /v2/models/{m}/trace/setting {"trace_level": ["TIMESTAMPS"],
                                                           "trace_rate": "1", ...}
@@ -20,6 +20,8 @@ are ``{"error": "..."}`` with the status of the one error table.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 import orjson
@@ -156,10 +158,23 @@ class ExtensionsApi:
             return 200, b""
         what = f"register CUDA shared-memory region {name!r}"
         document = _json_object(body, what)
-        registry.register(
-            name,
-            b"",
-            _integer(document, "device_id", what, 0),
-            _integer(document, "byte_size", what, 0),
-        )
+        device_id = _integer(document, "device_id", what, 0)
+        byte_size = _integer(document, "byte_size", what, 0)
+        registry.check_available(name, device_id, byte_size)  # the clear refusal comes first
+        registry.register(name, _raw_handle(document, what), device_id, byte_size)
         return 200, b""
+
+
+def _raw_handle(document: dict[str, Any], what: str) -> bytes:
+    """The ``cudaIpcMemHandle_t`` bytes of ``{"raw_handle": {"b64": "..."}}``."""
+    handle = document.get("raw_handle")
+    encoded = handle.get("b64") if type(handle) is dict else None
+    if type(encoded) is not str:
+        raise InvalidInputError(
+            f"{what}: 'raw_handle' must be {{'b64': <base64 of the cudaIpcMemHandle_t>}}, "
+            f"got {handle!r}"
+        )
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInputError(f"{what}: 'raw_handle.b64' is not valid base64") from None
