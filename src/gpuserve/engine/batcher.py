@@ -42,10 +42,14 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 from gpuserve.engine.batch import Batch, Pending
 from gpuserve.engine.lengths import select_group
 from gpuserve.errors import OverloadedError
+
+if TYPE_CHECKING:
+    from gpuserve.config import ModelConfig
 
 __all__ = ["Batch", "DynamicBatcher", "Pending"]  # Batch and Pending live in engine/batch.py
 
@@ -74,6 +78,21 @@ class DynamicBatcher:
         unpadded: The model runs batches without padding: requests with costs join in
             arrival order whatever their lengths and the budget counts real tokens.
     """
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, max_batch_tokens: int | None = None) -> DynamicBatcher:
+        """The batcher of a version's ``max_batch_size`` and ``dynamic_batching`` settings
+        (``max_batch_tokens``: the token budget, None for none)."""
+        db = config.dynamic_batching
+        return cls(
+            max_batch_size=config.max_batch_size,
+            max_queue_delay_s=db.max_queue_delay_us / 1e6,
+            preferred_batch_sizes=db.preferred_batch_sizes,
+            max_queue_size=db.max_queue_size,
+            priority_levels=db.priority_levels,
+            early_dispatch=db.early_dispatch,
+            max_batch_tokens=max_batch_tokens,
+        )
 
     def __init__(
         self,

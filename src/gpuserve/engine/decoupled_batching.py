@@ -67,14 +67,7 @@ class StreamBatcher(Generic[J]):
 
     def __init__(self, config: ModelConfig) -> None:
         db = config.dynamic_batching
-        self._batcher = DynamicBatcher(
-            max_batch_size=config.max_batch_size,
-            max_queue_delay_s=db.max_queue_delay_us / 1e6,
-            preferred_batch_sizes=db.preferred_batch_sizes,
-            max_queue_size=db.max_queue_size,
-            priority_levels=db.priority_levels,
-            early_dispatch=db.early_dispatch,
-        )
+        self._batcher = DynamicBatcher.for_config(config)
         self._levels = db.priority_levels
         self._default_level = db.default_priority_level
         self._jobs: dict[Pending, J] = {}  # Pending hashes by identity

@@ -104,15 +104,7 @@ class SchedulerCore(Generic[W]):
         self.name = config.name or ""
         self.version = version
         db = config.dynamic_batching
-        self.batcher = DynamicBatcher(
-            max_batch_size=config.max_batch_size,
-            max_queue_delay_s=db.max_queue_delay_us / 1e6,
-            preferred_batch_sizes=db.preferred_batch_sizes,
-            max_queue_size=db.max_queue_size,
-            priority_levels=db.priority_levels,
-            early_dispatch=db.early_dispatch,
-            max_batch_tokens=db.max_batch_tokens,
-        )
+        self.batcher = DynamicBatcher.for_config(config, db.max_batch_tokens)
         if config.sequence_batching is not None:  # a stateful model (engine/sequence.py)
             self.batcher = SequenceBatcher(config, lambda: self.instances)
         self.adaptive = (
