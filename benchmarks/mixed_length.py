@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -103,6 +104,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per point")
     ap.add_argument("--inprocess-seconds", type=float, default=5.0, help="per (a) mode")
     ap.add_argument("--inprocess-modes", default="batch1,sorted8,sorted32,random8,random32")
+    ap.add_argument(
+        "--inprocess-executions",
+        default="torch,onnxruntime" if importlib.util.find_spec("onnxruntime") else "torch",
+        help="executions of (a): torch (packed) and onnxruntime (padded; the one gpuserve's "
+        "text_embedding runs on a CPU with onnxruntime installed); the best of all is the limit",
+    )
     ap.add_argument("--skip-inprocess", action="store_true")
     ap.add_argument("--short-count", type=int, default=2000, help="texts in the short mix")
     ap.add_argument("--chunk-count", type=int, default=None, help="texts in the chunks mix")
@@ -192,8 +199,11 @@ def load_tokenizer():
 
 
 # ----------------------------------------------------------------------------- (a)
-def inprocess(args: argparse.Namespace, layout: servers.Layout, mix: Mix) -> list[dict]:
-    """Run mixed_length_inprocess.py pinned like a server; its JSON lines."""
+def inprocess(
+    args: argparse.Namespace, layout: servers.Layout, mix: Mix, execution: str
+) -> list[dict]:
+    """Run mixed_length_inprocess.py pinned like a server; its JSON lines (mode names
+    prefixed with the execution: ``torch batch1``, ``onnxruntime sorted8``)."""
     cmd = [
         sys.executable,
         str(HERE / "mixed_length_inprocess.py"),
@@ -209,6 +219,8 @@ def inprocess(args: argparse.Namespace, layout: servers.Layout, mix: Mix) -> lis
         str(args.torch_threads),
         "--max-seq-len",
         str(MAX_SEQ_LEN),
+        "--execution",
+        execution,
     ]
     env = servers.base_env(layout)
     proc = subprocess.run(
@@ -223,6 +235,7 @@ def inprocess(args: argparse.Namespace, layout: servers.Layout, mix: Mix) -> lis
         log(f"(a) {mix.name}: in-process run failed: {proc.stderr[-1500:]}")
     for row in rows:
         row["mix"] = mix.name
+        row["mode"] = f"{execution} {row['mode']}"
         log(
             f"(a) {mix.name:6} {row['mode']:9} {row['texts_per_s']:7.1f} texts/s "
             f"{row['tokens_per_s']:8.0f} tokens/s  padding x{row['padding_ratio']:.2f}"
@@ -384,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     fwd: list[dict] = []
     if not args.skip_inprocess:
         for mix in mixes:
-            fwd += inprocess(args, layout, mix)
+            for execution in args.inprocess_executions.split(","):
+                fwd += inprocess(args, layout, mix, execution)
     results = [bench_server(spec, mixes, refs, args, layout, logdir) for spec in chosen]
     info["loadavg_end"] = os.getloadavg()
     info["elapsed_s"] = time.monotonic() - t0

@@ -12,6 +12,9 @@ Modes (texts/s and real tokens/s, tokenisation included, as a server must do it)
 * ``randomB``: batches of B consecutive texts of the (shuffled) corpus: padding to the longest
   of B random lengths, what arrival-order batching gets.
 
+With ``--execution onnxruntime`` the same modes run on ONNX Runtime (gpuserve.models.bert_onnx:
+padded batches), the execution ``text_embedding`` picks on a CPU when onnxruntime is installed.
+
     python benchmarks/mixed_length_inprocess.py --texts FILE --seconds 5 --modes batch1,sorted8
 """
 
@@ -101,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument(
+        "--execution",
+        choices=("torch", "onnxruntime"),
+        default="torch",
+        help="torch (packed batches) or ONNX Runtime (padded), as text_embedding's 'execution'",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -109,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     texts = [t for t in args.texts.read_text(encoding="utf-8").splitlines() if t.strip()]
     embedder = SentenceEmbedder.load(max_seq_len=args.max_seq_len)
+    if args.execution == "onnxruntime":
+        from gpuserve.models.bert_onnx import cache_root
+
+        embedder.use_onnxruntime(args.threads, cache_root())
     lengths = embedder.count_tokens(texts)
     for mode in [m for m in args.modes.split(",") if m]:
         print(

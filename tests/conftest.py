@@ -10,6 +10,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The ONNX Runtime graph cache of the embedded text_embedding (gpuserve.models.bert_onnx): one
+# folder per test run, shared by every server the tests start, outside the user's ~/.cache.
+if "GPUSERVE_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["GPUSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpuserve-test-cache-")
 
 FIXTURE_REPOSITORY = Path(__file__).parent / "fixtures" / "repository"
 

@@ -7,6 +7,7 @@ line rather than fail the run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -64,7 +65,10 @@ def test_a_tiny_run_measures_in_process_and_served_gpuserve(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [report] = tmp_path.glob("mixed-length-smoke-*.md")
     doc = json.loads(report.with_suffix(".json").read_text())
-    assert [r["mode"] for r in doc["inprocess"]] == ["batch1", "sorted8"]
+    executions = ["torch", "onnxruntime"] if importlib.util.find_spec("onnxruntime") else ["torch"]
+    assert [r["mode"] for r in doc["inprocess"]] == [
+        f"{e} {m}" for e in executions for m in ("batch1", "sorted8")
+    ]
     assert all(
         r["texts_per_s"] > 0 and r["tokens_per_s"] > r["texts_per_s"] for r in doc["inprocess"]
     )

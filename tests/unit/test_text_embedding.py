@@ -205,3 +205,34 @@ def test_default_model_dir_has_the_files() -> None:
     folder = default_model_dir()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (Path(folder) / name).is_file(), name
+
+
+# --- execution: auto / torch / onnxruntime -----------------------------------------------------
+
+
+def test_model_execution_auto_is_onnxruntime_on_cpu_and_equals_torch(model: Any) -> None:
+    pytest.importorskip("onnxruntime")
+    assert model.embedder.execution == "onnxruntime"
+    assert model.unpadded_batches is True  # any mix of lengths: sub-batches of similar ones
+    on_torch = make_model(execution="torch")
+    assert on_torch.embedder.execution == "torch" and on_torch.unpadded_batches is True
+    padded = make_model(unpadded="false")
+    assert padded.embedder.execution == "onnxruntime" and padded.unpadded_batches is False
+    ref = run_hooks(on_torch, SENTENCES)
+    np.testing.assert_allclose(run_hooks(model, SENTENCES), ref, atol=1e-5)
+    np.testing.assert_allclose(run_hooks(padded, SENTENCES), ref, atol=1e-5)
+    # the CPU stage packs tokens only for torch
+    assert model.preprocess({"TEXT": text_tensor(SENTENCES)}).packed_ids is None
+    assert on_torch.preprocess({"TEXT": text_tensor(SENTENCES)}).packed_ids is not None
+
+
+def test_model_execution_errors_name_the_parameter() -> None:
+    with pytest.raises(ValueError, match=r"parameter 'execution': 'tvm'; expected one of auto, "):
+        make_model(execution="tvm")
+    pytest.importorskip("onnxruntime")
+    config = load_model_config(MODEL_DIR / "config.yaml").model_copy(update={"precision": "int8"})
+    with pytest.raises(ValueError, match=r"onnxruntime runs precision fp32 on the CPU; this "):
+        make_model(config, execution="onnxruntime")
+    assert make_model(config).embedder.execution == "torch"  # auto: int8 stays on torch
+    with pytest.raises(ValueError, match=r"parameter 'unpadded': 'maybe'; expected true or false"):
+        make_model(unpadded="maybe")

@@ -27,11 +27,18 @@ from gpuserve.models.bert import (
     mean_pool_normalize,
     mean_pool_packed,
 )
+from gpuserve.models.bert_onnx import OrtSession, load_session
 from gpuserve.models.text_truncation import PrefixTruncator, bounded_texts
 
 TOKENIZER_FILENAME = "tokenizer.json"
 SENTENCE_CONFIG_FILENAME = "sentence_bert_config.json"
 PAD_ID = 0
+#: A padded batch of mixed lengths on which a second execution is checked against torch.
+CHECK_TEXTS = (
+    "gpuserve checks every execution of the text embedding model against torch.",
+    "A short one.",
+    "Sentences of different lengths make the batch padded, so the attention mask is used.",
+)
 
 
 def default_model_dir() -> Path:
@@ -132,7 +139,10 @@ class SentenceEmbedder:
             unmasked attention call per row on CPU). Default True: on one CPU core a batch
             of 32 sentences of random lengths runs ~3x faster packed than padded (masked
             attention takes a slow path) and one of similar lengths a few percent faster; a
-            batch without padding runs the plain path either way.
+            batch without padding runs the plain path either way. On ONNX Runtime the same
+            is reached with sub-batches of similar lengths (see :meth:`use_onnxruntime`).
+        onnxruntime: The ONNX Runtime session :meth:`embed` runs on after
+            :meth:`use_onnxruntime` (CPU, fp32), else None (torch).
     """
 
     def __init__(
@@ -143,8 +153,45 @@ class SentenceEmbedder:
         self.device = device
         self.max_seq_len = max_seq_len
         self.unpadded = True
+        self.onnxruntime: OrtSession | None = None
         self._pin = device.type == "cuda"
         self._truncator: PrefixTruncator | None = None
+
+    @property
+    def execution(self) -> str:
+        """``"onnxruntime"`` after :meth:`use_onnxruntime`, else ``"torch"``."""
+        return "onnxruntime" if self.onnxruntime is not None else "torch"
+
+    def use_onnxruntime(self, threads: int, cache: Path | None) -> OrtSession:
+        """Run :meth:`embed` on ONNX Runtime (CPU) from now on (see
+        :mod:`gpuserve.models.bert_onnx`). A batch of mixed lengths runs as sub-batches of
+        similar lengths (:func:`~gpuserve.models.bert_onnx.length_groups`), so with
+        :attr:`unpadded` the server's batcher still takes rows in arrival order.
+
+        Args:
+            threads: ONNX Runtime intra-op threads.
+            cache: Graph cache folder (None: export in memory).
+
+        Raises:
+            ValueError: the encoder is not fp32 on the CPU, or the graph disagrees with it.
+            MissingDependencyError: onnxruntime is not installed.
+        """
+        weight = self.encoder.embeddings.word_embeddings.weight
+        if self.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(
+                f"ONNX Runtime execution runs an fp32 encoder on the CPU; this one is "
+                f"{str(weight.dtype).removeprefix('torch.')} on {self.device}"
+            )
+        sample = self.tokenize(["gpuserve exports to ONNX.", "A longer sample sentence, padded."])
+        check = self.tokenize(list(CHECK_TEXTS))
+        self.onnxruntime = load_session(
+            self.encoder,
+            (sample.input_ids, sample.attention_mask),
+            (check.input_ids, check.attention_mask),
+            threads=threads,
+            cache=cache,
+        )
+        return self.onnxruntime
 
     @classmethod
     def load(
@@ -197,7 +244,7 @@ class SentenceEmbedder:
         ids = torch.tensor([e.ids for e in encodings], dtype=torch.int64)
         mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.int64)
         padded = not bool(mask.all())
-        if padded and self.unpadded:
+        if padded and self.unpadded and self.onnxruntime is None:
             packed = ids[mask.bool()]
             lengths = tuple(int(n) for n in mask.sum(dim=1).tolist())
             if self._pin:
@@ -240,6 +287,12 @@ class SentenceEmbedder:
         """
         if batch.batch_size == 0:
             return torch.zeros((0, self.dimension), dtype=torch.float32, device=self.device)
+        if self.onnxruntime is not None:
+            mask = batch.attention_mask.numpy()
+            lengths = mask.sum(axis=1).tolist()
+            return torch.from_numpy(
+                self.onnxruntime.run_grouped(batch.input_ids.numpy(), mask, lengths)
+            )
         with torch.inference_mode():
             if batch.packed_ids is not None:
                 packing = Packing.of(batch.lengths, self.device)

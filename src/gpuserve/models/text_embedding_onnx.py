@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-from torch import nn
 
 from gpuserve.backends.base import Admitted, LoadContext
 from gpuserve.backends.python import PythonModel
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.errors import BackendError, ConfigError
-from gpuserve.models.bert import BertEncoder, mean_pool_normalize
+from gpuserve.models.bert_onnx import GRAPH_INPUTS, GRAPH_OUTPUT, export_graph
 from gpuserve.models.sentence_embedding import (
     TOKENIZER_FILENAME,
     SentenceEmbedder,
@@ -59,8 +57,6 @@ from gpuserve.models.text_truncation import PrefixTruncator, admit_texts, bounde
 logger = logging.getLogger(__name__)
 
 GRAPH_FILENAME = "model.onnx"
-GRAPH_INPUTS = ("input_ids", "attention_mask")
-GRAPH_OUTPUT = "embedding"
 MIN_OPSET = 17
 #: Largest |onnx - torch| accepted for an fp32 export (unit-norm embeddings).
 FP32_MAX_ABS_DIFF = 1e-4
@@ -96,27 +92,6 @@ class PythonExport:
     config_yaml: str
     max_abs_diff: float | None
     note: str = ""
-
-
-class EmbeddingGraph(nn.Module):
-    """What the graph computes: encoder, masked mean pooling, L2 norm (always masked).
-
-    ``BertEncoder.forward`` drops an all-ones mask by looking at its values, a branch a trace
-    would freeze; this module always applies the mask, so one graph serves every batch.
-    """
-
-    def __init__(self, encoder: BertEncoder) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids, attention_mask: int64 [B, L] -> float32 [B, H], unit L2 norm."""
-        x = self.encoder.embeddings(input_ids, None)
-        keep = attention_mask[:, None, None, :].to(x.dtype)
-        bias = (1.0 - keep) * torch.finfo(x.dtype).min
-        for layer in self.encoder.layers:
-            x = layer(x, bias)
-        return mean_pool_normalize(x, attention_mask)
 
 
 def _embedder_of(config: ModelConfig, version_path: Path, dtype: torch.dtype) -> SentenceEmbedder:
@@ -162,27 +137,10 @@ def export_text_embedding(
     reference = _embedder_of(config, version_path, torch.float32)
     expected = reference.encode(list(CHECK_SENTENCES))
     source = _embedder_of(config, version_path, torch.float16) if fp16 else reference
-    graph = EmbeddingGraph(source.encoder).eval()
     # Two rows of different lengths: the trace sees padding, and no dimension is 1.
     sample = source.tokenize(["gpuserve exports to ONNX.", "A longer sample sentence, padded."])
     path = folder / GRAPH_FILENAME
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
-        torch.onnx.export(
-            graph,
-            (sample.input_ids, sample.attention_mask),
-            str(path),
-            input_names=list(GRAPH_INPUTS),
-            output_names=[GRAPH_OUTPUT],
-            dynamic_axes={
-                "input_ids": {0: "batch", 1: "sequence"},
-                "attention_mask": {0: "batch", 1: "sequence"},
-                GRAPH_OUTPUT: {0: "batch"},
-            },
-            opset_version=opset,
-            do_constant_folding=True,
-            dynamo=False,
-        )
+    export_graph(source.encoder, (sample.input_ids, sample.attention_mask), str(path), opset)
     try:
         import onnx
     except ImportError:
