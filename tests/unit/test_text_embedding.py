@@ -236,3 +236,19 @@ def test_model_execution_errors_name_the_parameter() -> None:
     assert make_model(config).embedder.execution == "torch"  # auto: int8 stays on torch
     with pytest.raises(ValueError, match=r"parameter 'unpadded': 'maybe'; expected true or false"):
         make_model(unpadded="maybe")
+
+
+def test_model_execution_auto_falls_back_to_torch_when_onnxruntime_fails(monkeypatch, caplog):
+    pytest.importorskip("onnxruntime")
+
+    def broken(self: SentenceEmbedder, threads: int, cache: Any) -> None:
+        raise ValueError("the ONNX Runtime graph disagrees with the torch encoder")
+
+    monkeypatch.setattr(SentenceEmbedder, "use_onnxruntime", broken)
+    with caplog.at_level("WARNING"):
+        fallback = make_model()
+    assert fallback.embedder.execution == "torch" and fallback.unpadded_batches is True
+    assert "stays on torch: ONNX Runtime unusable (the ONNX Runtime graph disagrees" in caplog.text
+    assert run_hooks(fallback, SENTENCES).shape == (len(SENTENCES), 384)
+    with pytest.raises(ValueError, match="disagrees with the torch encoder"):
+        make_model(execution="onnxruntime")  # asked for explicitly: the load fails

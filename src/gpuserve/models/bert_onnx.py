@@ -18,8 +18,9 @@ versions that shape the graph, so only the first load of a model pays for it:
 * a cache folder that cannot be written is not an error: the graph is exported to a
   temporary folder, read, and the folder removed ("in memory").
 
-Every session is checked against the torch model on :data:`CHECK_TEXTS` before use
-(:func:`load_session`); a graph that disagrees is not used.
+Every session is checked against the torch model on a padded batch before use
+(:func:`load_session`; the batch is ``sentence_embedding.CHECK_TEXTS``); a graph that
+disagrees is not used.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from torch import nn
 
 from gpuserve.backends.onnx_backend import import_ort
+from gpuserve.backends.optional import require
 from gpuserve.models.bert import BertEncoder, mean_pool_normalize
 
 logger = logging.getLogger(__name__)
@@ -234,7 +236,7 @@ def length_groups(
     (rows x longest) stay within ``pad_ratio`` x its real tokens and within ``max_tokens``
     (a row longer than ``max_tokens`` runs alone). Measured in-process on one core
     (``benchmarks/mixed_length_inprocess.py --execution onnxruntime``): random batches of 16
-    or 32 short sentences run ~5% faster so than packed on torch and ~1.8x faster than
+    or 32 short sentences run ~5% faster than packed on torch and ~1.8x faster than
     padded whole; random batches of 3 to 8 chunks of 76-256 tokens ~10-15% faster.
 
     Args:
@@ -279,10 +281,11 @@ def load_session(
         cache: See :func:`graph_bytes`.
 
     Raises:
-        MissingDependencyError: onnxruntime is not installed.
+        MissingDependencyError: onnxruntime or onnx (the exporter needs it) is not installed.
         ValueError: the graph disagrees with torch beyond :data:`MAX_ABS_DIFF`.
     """
     ort = import_ort()
+    require("onnx", "execution 'onnxruntime' (torch's graph export)")
     try:
         return _open_checked(ort, encoder, graph_bytes(encoder, sample, cache), check, threads)
     except Exception as err:

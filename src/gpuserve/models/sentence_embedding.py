@@ -288,10 +288,10 @@ class SentenceEmbedder:
         if batch.batch_size == 0:
             return torch.zeros((0, self.dimension), dtype=torch.float32, device=self.device)
         if self.onnxruntime is not None:
-            mask = batch.attention_mask.numpy()
-            lengths = mask.sum(axis=1).tolist()
+            mask_np = batch.attention_mask.numpy()
+            lengths = mask_np.sum(axis=1).tolist()
             return torch.from_numpy(
-                self.onnxruntime.run_grouped(batch.input_ids.numpy(), mask, lengths)
+                self.onnxruntime.run_grouped(batch.input_ids.numpy(), mask_np, lengths)
             )
         with torch.inference_mode():
             if batch.packed_ids is not None:
