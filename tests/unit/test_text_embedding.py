@@ -224,6 +224,17 @@ def test_model_execution_auto_is_onnxruntime_on_cpu_and_equals_torch(model: Any)
     # the CPU stage packs tokens only for torch
     assert model.preprocess({"TEXT": text_tensor(SENTENCES)}).packed_ids is None
     assert on_torch.preprocess({"TEXT": text_tensor(SENTENCES)}).packed_ids is not None
+    # on ONNX Runtime the torch weights are freed (the session has its own copy)
+    assert all(p.is_meta for p in model.embedder.encoder.parameters())
+    assert not any(p.is_meta for p in on_torch.embedder.encoder.parameters())
+    assert model.embedder.dimension == 384
+
+
+def test_release_torch_weights_needs_onnxruntime() -> None:
+    embedder = SentenceEmbedder.load()
+    with pytest.raises(RuntimeError, match="runs on torch"):
+        embedder.release_torch_weights()
+    assert embedder.encode(SENTENCES[:1]).shape == (1, 384)
 
 
 def test_model_execution_errors_name_the_parameter() -> None:

@@ -193,6 +193,19 @@ class SentenceEmbedder:
         )
         return self.onnxruntime
 
+    def release_torch_weights(self) -> None:
+        """After :meth:`use_onnxruntime`: free the torch encoder's weights (90 MB for
+        all-MiniLM-L6-v2; the session holds its own copy). The module stays, on the ``meta``
+        device, for its config (:attr:`dimension`); this embedder then runs on ONNX Runtime
+        only, and a torch call on it raises instead of computing.
+
+        Raises:
+            RuntimeError: the embedder is not on ONNX Runtime.
+        """
+        if self.onnxruntime is None:
+            raise RuntimeError("release_torch_weights: the embedder runs on torch")
+        self.encoder.to("meta")
+
     @classmethod
     def load(
         cls,

@@ -103,6 +103,7 @@ class Model(PythonModel):
                 # auto: ONNX Runtime is an optimisation; torch serves the same embeddings
                 logger.warning("text_embedding stays on torch: ONNX Runtime unusable (%s)", err)
             else:
+                self.embedder.release_torch_weights()
                 logger.info(
                     "text_embedding on ONNX Runtime (%d threads, %s)", threads, session.source
                 )
