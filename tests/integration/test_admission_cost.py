@@ -343,3 +343,36 @@ def test_bc28_hf_strict_refuses_only_the_long_rows_with_their_numbers(server):
     huge = infer(server.url, "hf_strict", [huge_text()])
     assert huge.status_code == 400
     assert "more than max_length 64 tokens" in huge.json()["error"]
+
+
+def test_text_that_is_not_utf8_is_refused_naming_the_row_and_byte(server):
+    """Binary BYTES (tritonclient over HTTP and gRPC) carry any bytes: a text model refuses
+    a row that is not UTF-8 with 400 / INVALID_ARGUMENT instead of embedding what is left of
+    it; only that request fails."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    rows = np.array([[b"fine text"], [b"broken \xff\xfe text"]], dtype=object)
+    models = ["text_embedding"] + (["hf_trunc"] if server.has_transformers else [])
+    http = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    for model in models:
+        for client, module in ((http, httpclient), (grpc, grpcclient)):
+            tensor = module.InferInput("TEXT", [2, 1], "BYTES")
+            if module is httpclient:
+                tensor.set_data_from_numpy(rows, binary_data=True)
+            else:
+                tensor.set_data_from_numpy(rows)
+            with pytest.raises(InferenceServerException) as raised:
+                client.infer(model, [tensor])
+            message = raised.value.message()
+            assert "input 'TEXT' row 1 is not valid UTF-8 (byte 0xff at offset 7" in message
+            assert str(raised.value.status()) in ("400", "StatusCode.INVALID_ARGUMENT")
+            tensor = module.InferInput("TEXT", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(rows[:1])
+            answer = client.infer(model, [tensor]).get_response()
+            outputs = answer["outputs"] if isinstance(answer, dict) else answer.outputs
+            assert len(outputs) >= 1
+    http.close()
+    grpc.close()

@@ -5,6 +5,8 @@ default ``text_embedding``: same embeddings as torch, the on-disk graph cache, t
 from __future__ import annotations
 
 import importlib.util
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +90,34 @@ def test_a_cache_path_that_is_a_file_exports_in_memory(tmp_path) -> None:
     session = SentenceEmbedder.load().use_onnxruntime(1, blocker)
     assert session.source.startswith("exported in memory (cache ")
     assert session.run(np.array([[101, 102]]), np.array([[1, 1]])).shape == (1, 384)
+
+
+def _load_side_by_side(cache: Path, count: int = 3) -> list[str | BaseException]:
+    """``count`` embedders exporting at the same time (models loading in parallel): each
+    one's session source, or what it raised."""
+    embedders = [SentenceEmbedder.load() for _ in range(count)]
+    start = threading.Barrier(count)
+
+    def load(embedder: SentenceEmbedder) -> str:
+        start.wait()
+        return embedder.use_onnxruntime(1, cache).source
+
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(load, embedder) for embedder in embedders]
+    return [f.exception() or f.result() for f in futures]
+
+
+def test_models_loading_side_by_side_export_once(tmp_path) -> None:
+    sources = _load_side_by_side(tmp_path)
+    kinds = sorted(str(s).split(" ", 1)[0] for s in sources)
+    assert kinds == ["cached", "cached", "exported"], sources
+
+
+def test_models_loading_side_by_side_without_a_writable_cache(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    sources = _load_side_by_side(blocker)
+    assert all(str(s).startswith("exported in memory (cache ") for s in sources), sources
 
 
 def test_the_key_follows_the_weights(torch_embedder) -> None:

@@ -6,6 +6,7 @@ The Model class is driven through its hooks exactly as the python backend calls 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -263,3 +264,21 @@ def test_model_execution_auto_falls_back_to_torch_when_onnxruntime_fails(monkeyp
     assert run_hooks(fallback, SENTENCES).shape == (len(SENTENCES), 384)
     with pytest.raises(ValueError, match="disagrees with the torch encoder"):
         make_model(execution="onnxruntime")  # asked for explicitly: the load fails
+
+
+def test_model_says_which_execution_and_how_to_get_onnxruntime(monkeypatch, caplog) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name)
+    )
+    with caplog.at_level("INFO"):
+        model = make_model()
+    assert model.embedder.execution == "torch"
+    assert "text_embedding on torch (cpu, fp32) (1.1-1.4x faster on ONNX Runtime: pip install" in (
+        caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        make_model(execution="torch")  # chosen: no hint
+    assert "text_embedding on torch (cpu, fp32)\n" in caplog.text + "\n"
+    assert "pip install" not in caplog.text

@@ -17,6 +17,7 @@ which is not used here. Where the files go is the CLI's business (:mod:`gpuserve
 
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,12 @@ from gpuserve.backends.torch_backend import EXPORTED_FILENAME, TorchBackend
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import BackendError, ConfigError
+
+#: ``torch.onnx.export`` keeps its state in module globals (``GLOBALS.in_onnx_export``), so two
+#: exports at once in one process fail ("in_onnx_export must be False"), as when models load in
+#: parallel. Every export in gpuserve runs under this lock (reentrant: a caller may hold it
+#: around its own check-then-export).
+TORCH_ONNX_EXPORT_LOCK = threading.RLock()
 
 MIN_OPSET = 17
 
@@ -211,7 +218,7 @@ def _write_graph(wrapper: _ExportWrapper, config: ModelConfig, path: Path, opset
             axes[spec.name] = dims
     # Export on a batch of 2: the exporter specialises dimensions of size 1.
     sample = _sample_inputs(config, rows=2)
-    with warnings.catch_warnings():
+    with TORCH_ONNX_EXPORT_LOCK, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
         # Trace first: the exporter cannot trace a wrapper around a loaded TorchScript module
         # ("not part of the active trace"), but it exports the traced wrapper fine.

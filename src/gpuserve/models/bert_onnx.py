@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from gpuserve.backends.onnx_backend import import_ort
+from gpuserve.backends.onnx_export import TORCH_ONNX_EXPORT_LOCK
 from gpuserve.backends.optional import require
 from gpuserve.models.bert import BertEncoder, mean_pool_normalize
 
@@ -97,7 +98,7 @@ def export_graph(
         opset: ONNX opset.
     """
     graph = EmbeddingGraph(encoder).eval()
-    with warnings.catch_warnings(), torch.no_grad():
+    with TORCH_ONNX_EXPORT_LOCK, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
         torch.onnx.export(
             graph,
@@ -157,23 +158,17 @@ def graph_file(
     """
     if cache is not None:
         path = cache / "onnx" / f"{graph_key(encoder)}.onnx"
-        if path.is_file():
-            yield path, f"cached {path}"
-            return
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".export-", suffix=".onnx")
-            os.close(fd)
-            try:
-                export_graph(encoder, sample, tmp)
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        except OSError as err:
-            reason = f"cache {cache} not writable: {err}"
-        else:
-            yield path, f"exported to {path}"
+        # Under the export lock: a model loading beside this one with the same weights
+        # exports the graph once, and the other reads it from the cache.
+        with TORCH_ONNX_EXPORT_LOCK:
+            found, reason = path.is_file(), ""
+            if not found:
+                try:
+                    _export_to_cache(encoder, sample, path)
+                except OSError as err:
+                    reason = f"cache {cache} not writable: {err}"
+        if not reason:
+            yield path, f"cached {path}" if found else f"exported to {path}"
             return
     else:
         reason = "no cache folder"
@@ -181,6 +176,21 @@ def graph_file(
         path = Path(scratch) / "graph.onnx"
         export_graph(encoder, sample, str(path))
         yield path, f"exported in memory ({reason})"
+
+
+def _export_to_cache(
+    encoder: BertEncoder, sample: tuple[torch.Tensor, torch.Tensor], path: Path
+) -> None:
+    """Export to a temporary name beside ``path``, then rename: no reader sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".export-", suffix=".onnx")
+    os.close(fd)
+    try:
+        export_graph(encoder, sample, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 @dataclass
@@ -292,21 +302,22 @@ def load_session(
     """
     ort = import_ort()
     require("onnx", "execution 'onnxruntime' (torch's graph export)")
-    try:
-        with graph_file(encoder, sample, cache) as graph:
-            return _open_checked(ort, encoder, graph, check, threads)
-    except Exception as err:
-        if cache is None:
-            raise
-        # A cached graph from a damaged or foreign file: export once more, in memory.
-        logger.warning("ONNX graph from the cache unusable (%s): exporting it again", err)
-        stale = cache / "onnx" / f"{graph_key(encoder)}.onnx"
+    with graph_file(encoder, sample, cache) as graph:
         try:
-            stale.unlink(missing_ok=True)
-        except OSError as unlink_err:
-            logger.warning("cannot remove %s (%s): exporting in memory", stale, unlink_err)
-        with graph_file(encoder, sample, None if stale.exists() else cache) as graph:
             return _open_checked(ort, encoder, graph, check, threads)
+        except Exception as err:
+            if cache is None or not graph[1].startswith("cached "):
+                raise  # a fresh export that fails: exporting again would not help
+            damaged = err
+    # A cached graph from a damaged or foreign file: export once more.
+    logger.warning("ONNX graph from the cache unusable (%s): exporting it again", damaged)
+    stale = graph[0]
+    try:
+        stale.unlink(missing_ok=True)
+    except OSError as unlink_err:
+        logger.warning("cannot remove %s (%s): exporting in memory", stale, unlink_err)
+    with graph_file(encoder, sample, None if stale.exists() else cache) as graph:
+        return _open_checked(ort, encoder, graph, check, threads)
 
 
 def _open_checked(

@@ -78,8 +78,10 @@ def decode_texts(values: np.ndarray) -> list[str]:
 
     Returns:
         B strings. Invalid UTF-8 is decoded with ``errors="replace"`` (each bad byte becomes
-        U+FFFD) rather than failing the whole batch: one client's malformed bytes must not
-        fail the other requests batched with it, and the tokeniser maps U+FFFD to ``[UNK]``.
+        U+FFFD, which the BERT tokenizer drops) rather than failing the whole batch. Served
+        requests never bring any here: the admission step refuses them, one request at a
+        time (:func:`~gpuserve.models.text_truncation.admit_texts`); this covers calls that
+        skip admission, such as another model's.
 
     Raises:
         ValueError: ``values`` has more than one element per row.

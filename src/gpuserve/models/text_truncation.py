@@ -292,8 +292,8 @@ def admit_texts(truncator: PrefixTruncator, inputs: dict[str, np.ndarray], name:
         row was cut.
 
     Raises:
-        InvalidInputError: the input is missing or holds more than one text per row; with a
-            strict truncator, a row longer than ``max_length`` (its count and the limit) or
+        InvalidInputError: the input is missing, holds more than one text per row or a row
+            that is not UTF-8 (its row and byte offset); with a strict truncator, a row longer than ``max_length`` (its count and the limit) or
             longer than the character cap when its count could not be told within it.
     """
     values = inputs.get(name)
@@ -304,6 +304,7 @@ def admit_texts(truncator: PrefixTruncator, inputs: dict[str, np.ndarray], name:
             f"input '{name}': expected one text per row, got shape {list(values.shape)}"
         )
     flat = values.reshape(-1)
+    _refuse_invalid_utf8(flat, name)
     try:
         rows = truncator.measure(list(flat))
     except TypeError as err:
@@ -319,6 +320,24 @@ def admit_texts(truncator: PrefixTruncator, inputs: dict[str, np.ndarray], name:
     for index, text in cut:
         target[index] = text.encode("utf-8")
     return Admitted(lengths, {**inputs, name: replaced})
+
+
+def _refuse_invalid_utf8(flat: np.ndarray, name: str) -> None:
+    """Refuse a request whose text is not UTF-8 (400 naming the row and the byte), rather
+    than embed what is left of it: the tokenizer drops the replacement characters, so bytes
+    that are not text would silently embed as the rest of the row (or as an empty string).
+    Costs one decode per row, ~1 ms for a 2 MB text."""
+    for index, item in enumerate(flat):
+        if not isinstance(item, bytes):
+            continue
+        try:
+            item.decode("utf-8")
+        except UnicodeDecodeError as err:
+            where = f"input '{name}'" + (f" row {index}" if flat.size > 1 else "")
+            raise InvalidInputError(
+                f"{where} is not valid UTF-8 (byte 0x{item[err.start]:02x} at offset "
+                f"{err.start}: {err.reason}); the model takes UTF-8 text"
+            ) from None
 
 
 def _refuse_long(truncator: PrefixTruncator, rows: list[RowLength], name: str) -> None:
