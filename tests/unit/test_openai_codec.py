@@ -90,6 +90,7 @@ def test_defaults_and_options():
         ({"model": "emb", "input": ""}, "input", r"input\[0\] is an empty string"),
         ({"model": "emb", "input": ["a", ""]}, "input", r"input\[1\] is an empty string"),
         ({"model": "emb", "input": {"a": 1}}, "input", "must be a string, a list"),
+        ({"model": "emb", "input": None}, "input", "token-id arrays, got null$"),
         ({"model": "emb", "input": ["a", 1]}, "input", r"input\[1\] must be a string like"),
         ({"model": "emb", "input": [1, "a"]}, "input", r"input\[1\] must be an integer"),
         ({"model": "emb", "input": [True]}, "input", r"input\[0\] must be a string, an int"),

@@ -293,8 +293,9 @@ def admit_texts(truncator: PrefixTruncator, inputs: dict[str, np.ndarray], name:
 
     Raises:
         InvalidInputError: the input is missing, holds more than one text per row or a row
-            that is not UTF-8 (its row and byte offset); with a strict truncator, a row longer than ``max_length`` (its count and the limit) or
-            longer than the character cap when its count could not be told within it.
+            that is not UTF-8 (its row and byte offset); with a strict truncator, a row
+            longer than ``max_length`` (its count and the limit) or longer than the
+            character cap when its count could not be told within it.
     """
     values = inputs.get(name)
     if values is None:

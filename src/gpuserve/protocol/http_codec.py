@@ -55,7 +55,7 @@ from gpuserve.protocol.outputs import (
     output_payload,
     spec_names,
 )
-from gpuserve.protocol.shapes import json_type, show, validate_request_shapes
+from gpuserve.protocol.shapes import described, json_type, show, validate_request_shapes
 from gpuserve.protocol.tensors import build_input
 
 if TYPE_CHECKING:
@@ -144,12 +144,12 @@ def _decode_outputs(
     for index, item in enumerate(outputs):
         if type(item) is not dict:
             raise InvalidInputError(
-                f"outputs[{index}] must be a JSON object, got {json_type(item)} {show(item)}"
+                f"outputs[{index}] must be a JSON object, got {described(item)}"
             )
         name = item.get("name")
         if type(name) is not str:
             raise InvalidInputError(
-                f"outputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
+                f"outputs[{index}]: 'name' must be a string, got {described(name)}"
             )
         spec = find_spec(config.outputs, name)
         if spec is None:
@@ -357,13 +357,11 @@ def _decode_document(
     binary_inputs = 0
     for index, item in enumerate(inputs):
         if type(item) is not dict:
-            raise InvalidInputError(
-                f"inputs[{index}] must be a JSON object, got {json_type(item)} {show(item)}"
-            )
+            raise InvalidInputError(f"inputs[{index}] must be a JSON object, got {described(item)}")
         name = item.get("name")
         if type(name) is not str:
             raise InvalidInputError(
-                f"inputs[{index}]: 'name' must be a string, got {json_type(name)} {show(name)}"
+                f"inputs[{index}]: 'name' must be a string, got {described(name)}"
             )
         spec = find_spec(config.inputs, name)
         if spec is None:

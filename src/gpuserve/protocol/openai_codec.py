@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.protocol.shapes import json_type, show, validate_request_shapes
+from gpuserve.protocol.shapes import described, json_type, show, validate_request_shapes
 from gpuserve.protocol.tensors import build_input
 from gpuserve.service.embeddings import (
     EmbeddingInputError,
@@ -248,7 +248,7 @@ def _inputs(
     elif type(value) is not list:
         raise EmbeddingInputError(
             f"'input' must be a string, a list of strings or token-id arrays, got "
-            f"{json_type(value)} {show(value)}",
+            f"{described(value)}",
             "input",
         )
     if not value:
@@ -273,8 +273,7 @@ def _inputs(
             if set(map(type, row)) != {int}:
                 bad = next(v for v in row if type(v) is not int)
                 raise EmbeddingInputError(
-                    f"input[{index}] must hold only integer token ids, got "
-                    f"{json_type(bad)} {show(bad)}",
+                    f"input[{index}] must hold only integer token ids, got {described(bad)}",
                     "input",
                 )
             _check_ids(row, index)
@@ -285,9 +284,7 @@ def _inputs(
     else:
         index, bad = next((i, v) for i, v in enumerate(value) if type(v) is not type(value[0]))
         what = f"{kind} like input[0]"
-    raise EmbeddingInputError(
-        f"input[{index}] must be {what}, got {json_type(bad)} {show(bad)}", "input"
-    )
+    raise EmbeddingInputError(f"input[{index}] must be {what}, got {described(bad)}", "input")
 
 
 _KINDS = {str: "a string", int: "an integer token id", list: "a token-id array"}

@@ -44,6 +44,14 @@ def json_type(value: Any) -> str:
     return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
+def described(value: Any) -> str:
+    """A value's JSON type and text for a message: ``string "abc"``, ``array [1, 2]``, and
+    ``null`` alone (not ``null null``)."""
+    if value is None:
+        return "null"
+    return f"{json_type(value)} {show(value)}"
+
+
 def show(value: Any, limit: int = 60) -> str:
     """A value as JSON text for a message, cut to ``limit`` characters.
 
@@ -118,7 +126,7 @@ def check_datatype(spec: TensorSpec, name: str, datatype: Any) -> None:
     if type(datatype) is not str:
         raise InvalidInputError(
             f"input {name!r}: 'datatype' must be a string such as {spec.datatype!r}, "
-            f"got {json_type(datatype)} {show(datatype)}"
+            f"got {described(datatype)}"
         )
     if datatype == "BF16":
         raise InvalidInputError(
@@ -156,8 +164,7 @@ def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) ->
         if shape is None:
             raise InvalidInputError(f"input {name!r}: 'shape' is missing")
         raise InvalidInputError(
-            f"input {name!r}: 'shape' must be an array of integers, got "
-            f"{json_type(shape)} {show(shape)}"
+            f"input {name!r}: 'shape' must be an array of integers, got {described(shape)}"
         )
     for dim in shape:
         if type(dim) is not int:

@@ -30,6 +30,7 @@ from gpuserve.protocol.binary import deserialize_bytes
 from gpuserve.protocol.shapes import (
     check_datatype,
     check_shape,
+    described,
     element_count,
     format_shape,
     json_type,
@@ -156,7 +157,7 @@ def _narrow_floats(name: str, datatype: str, flat: list[Any], limit: float) -> n
 def _not_a_list(name: str, data: Any) -> InvalidInputError:
     hint = f" (wrap it in a list: [{show(data)}])" if type(data) is str else ""
     return InvalidInputError(
-        f"input {name!r}: 'data' must be a JSON array, got {json_type(data)} {show(data)}{hint}"
+        f"input {name!r}: 'data' must be a JSON array, got {described(data)}{hint}"
     )
 
 
