@@ -167,25 +167,54 @@ def test_auto_execution(monkeypatch) -> None:
     assert module.auto_execution("cpu", "fp32") == "torch"
 
 
-def test_length_groups_bound_padding_and_tokens() -> None:
+def _modelled(lengths: list[int], groups: list[list[int]], call: float) -> float:
+    total = 0.0
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        total += call + len(g) * longest * (1 + bert_onnx.GROUP_ATTENTION * longest)
+    return total
+
+
+def _cuts(count: int) -> list[list[tuple[int, int]]]:
+    """Every way to cut ``count`` sorted rows into consecutive runs."""
+    if count == 0:
+        return [[]]
+    return [[*head, (first, count)] for first in range(count) for head in _cuts(first)]
+
+
+def test_length_groups_are_the_cheapest_cut_within_the_token_bound() -> None:
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        lengths = [int(n) for n in rng.integers(1, 300 if trial % 2 else 40, rng.integers(1, 9))]
+        call = float(rng.choice([0.0, 12.0, 100.0]))
+        groups = length_groups(lengths, call_tokens=call, max_tokens=256)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            rows = [lengths[i] for i in g]
+            assert rows == sorted(rows)
+            assert len(rows) == 1 or max(rows) * len(rows) <= 256
+        order = sorted(range(len(lengths)), key=lambda k: lengths[k])
+        feasible = [
+            [order[a:b] for a, b in cut]
+            for cut in _cuts(len(lengths))
+            if all(b - a == 1 or (b - a) * lengths[order[b - 1]] <= 256 for a, b in cut)
+        ]
+        cheapest = min(_modelled(lengths, c, call) for c in feasible)
+        assert _modelled(lengths, groups, call) == pytest.approx(cheapest)
+
+
+def test_length_groups_of_a_served_mix() -> None:
     lengths = [10, 200, 11, 12, 40, 9, 300, 41, 10]
     groups = length_groups(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        rows = [lengths[i] for i in g]
-        assert rows == sorted(rows)
-        padded = max(rows) * len(rows)
-        assert len(rows) == 1 or (padded <= 1.1 * sum(rows) and padded <= 256)
     assert [[lengths[i] for i in g] for g in groups] == [
-        [9, 10, 10, 11],
-        [12],
+        [9, 10, 10, 11, 12],
         [40, 41],
         [200],
         [300],
     ]
     assert length_groups([]) == []
-    assert length_groups([16] * 40) == [list(range(16)), list(range(16, 32)), list(range(32, 40))]
-    assert length_groups([5, 5], max_tokens=1000, pad_ratio=1.0) == [[0, 1]]
+    assert sorted(map(len, length_groups([16] * 40))) == [8, 32]  # 512 tokens at most
+    assert length_groups([5, 6], call_tokens=0.0) == [[0], [1]]  # padding costs, calls free
 
 
 def test_mixed_lengths_run_grouped_equal_one_by_one(ort_embedder) -> None:
