@@ -8,7 +8,7 @@ Parameters (``config.yaml``):
         ``sentence_bert_config.json`` (256).
     execution: ``auto`` (default), ``torch`` or ``onnxruntime``. ``auto`` runs an fp32
         model on the CPU on ONNX Runtime when ``onnxruntime`` and ``onnx`` are installed
-        (the ``onnx`` extra; 1.1-1.4x faster served on one core, same results within 3e-7, see
+        (the ``onnx`` extra; 1.1-1.7x faster served on one core, same results within 3e-7, see
         :mod:`gpuserve.models.bert_onnx`) and on torch otherwise (GPUs, int8, fp16/bf16).
     unpadded: ``true`` (default) or ``false``: run batches of different lengths without
         padding (see :attr:`SentenceEmbedder.unpadded`: packed on torch, sub-batches of
@@ -111,7 +111,7 @@ class Model(PythonModel):
             cpu_fp32 = context.device.startswith("cpu") and context.precision == "fp32"
             hint = ""
             if execution == "auto" and chosen == "torch" and cpu_fp32:  # not installed
-                hint = " (1.1-1.4x faster on ONNX Runtime: pip install 'gpuserve[onnx]')"
+                hint = " (1.1-1.7x faster on ONNX Runtime: pip install 'gpuserve[onnx]')"
             logger.info(
                 "text_embedding on torch (%s, %s)%s", context.device, context.precision, hint
             )
