@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import orjson
 import pytest
 
 from gpuserve.config import ModelConfig, TensorSpec
@@ -170,6 +171,12 @@ def test_huge_dims_are_checked_without_overflow() -> None:
     assert element_count((4294967296, 4294967296)) == 2**64
     with raises("above 2"):
         check_shape(s, "X", [2**63, 1], 0)
+    # what the JSON parser makes of 99999999999999999999999999 (beyond 64 bits)
+    parsed = orjson.loads(b"[99999999999999999999999999, 1]")
+    with raises(r"has a dimension above 2\^63-1"):
+        check_shape(s, "X", parsed, 0)
+    with raises("must hold only integers; 1.5 is a number"):
+        check_shape(s, "X", [1.5, 1], 0)
 
 
 def test_shape_tuple_accepted() -> None:

@@ -167,6 +167,11 @@ def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) ->
             f"input {name!r}: 'shape' must be an array of integers, got {described(shape)}"
         )
     for dim in shape:
+        if type(dim) is float and dim.is_integer() and abs(dim) > _MAX_DIM:
+            # JSON parsers read an integer beyond 64 bits as a float: say what it was
+            raise InvalidInputError(
+                f"input {name!r}: shape {format_shape(shape)} has a dimension above 2^63-1"
+            )
         if type(dim) is not int:
             raise InvalidInputError(
                 f"input {name!r}: shape {format_shape(shape)} must hold only integers; "
