@@ -40,9 +40,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpuserve.backends.onnx_backend import import_ort
+from gpuserve.backends.onnx_backend import import_ort, session_options
 from gpuserve.backends.onnx_export import TORCH_ONNX_EXPORT_LOCK
 from gpuserve.backends.optional import require
+from gpuserve.config import OnnxConfig
 from gpuserve.models.bert import BertEncoder, mean_pool_normalize
 
 logger = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class OrtSession:
             return self.run(input_ids, attention_mask)
         parts = []
         for rows in groups:
-            longest = max(lengths[i] for i in rows)
+            longest = lengths[rows[-1]]  # each group ascends in length
             index = np.asarray(rows)
             parts.append(
                 (index, self.run(input_ids[index, :longest], attention_mask[index, :longest]))
@@ -341,15 +342,11 @@ def _open_checked(
     threads: int,
 ) -> OrtSession:
     path, source = graph
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = max(1, threads)
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # ONNX Runtime's CPU arena stays on (its default): it holds what the largest batch
-    # needed (bounded by max_batch_tokens), so the ~10 MB activations of a batch are not
-    # mapped and faulted in again at every call.
-    options.log_severity_level = 3
+    # The onnx backend's settings: sequential, every graph optimisation, errors-only logs.
+    # ONNX Runtime's CPU arena stays on (its default): it holds what the largest call needed
+    # (at most GROUP_TOKENS padded tokens, or one row), so a call's activations are not
+    # mapped and faulted in again every time.
+    options = session_options(OnnxConfig(intra_op_threads=max(1, threads), inter_op_threads=1), ort)
     session = OrtSession(
         ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
         threads,
