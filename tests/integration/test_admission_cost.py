@@ -24,8 +24,8 @@ import httpx
 import numpy as np
 import pytest
 
-from gpuserve.models.text_truncation import CAP_CHARS_PER_TOKEN
-from gpuserve.settings import default_model_repository
+from gpuserve.config.server import default_model_repository
+from gpuserve.text.truncation import CAP_CHARS_PER_TOKEN
 from tests.fixtures.hf_models import minilm_dir
 from tests.helpers import InProcessServer
 

@@ -9,7 +9,7 @@ import pytest
 
 from gpuserve.cli.main import main
 from gpuserve.config import ModelConfig, load_model_config, parse_model_config
-from gpuserve.config_keys import nearest, section_fields, unknown_key_hint
+from gpuserve.config.keys import nearest, section_fields, unknown_key_hint
 from gpuserve.errors import ConfigError
 from tests.fixtures.lifecycle_support import make_repository
 

@@ -376,7 +376,7 @@ def test_a_calls_inputs_are_checked_against_the_callee(inputs, message):
 
 
 def test_models_validate_reports_a_step_that_names_no_model(tmp_path):
-    from gpuserve.repository.repository import validate_repository
+    from gpuserve.repository.scan import validate_repository
     from tests.fixtures.ensemble_models import PIPELINE, pipeline_repository, write_model
 
     pipeline_repository(tmp_path)

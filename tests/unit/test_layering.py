@@ -1,11 +1,12 @@
 """Imports point one way (STYLE.md habit 1, DESIGN.md: cli -> server -> service -> engine ->
 backends): the engine never imports the server, the service, the metrics layer,
-prometheus_client, gRPC or the HTTP stack; backends never import the engine or the server; the
-inference service imports no front end and no wire format (server, protocol, gRPC, protobuf,
-HTTP); one front end never imports another (``server.grpc`` nothing of ``server.http``), and no
-front end reaches the model manager but through the service. Checked statically (every import
-statement, including function-local ones and ``TYPE_CHECKING`` blocks) and at run time (what
-importing the engine pulls in)."""
+prometheus_client, gRPC or the HTTP stack; backends never import the engine, the server, the
+service, the wire formats (protocol) or the built-in models (shared text helpers are in
+gpuserve.text); the inference service imports no front end and no wire format (server, protocol,
+gRPC, protobuf, HTTP); one front end never imports another (``server.grpc`` nothing of
+``server.http``), and no front end reaches the model manager but through the service. Checked
+statically (every import statement, including function-local ones and ``TYPE_CHECKING`` blocks)
+and at run time (what importing the engine pulls in)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,15 @@ FORBIDDEN = {
         "uvicorn",
         "httptools",
     ),
-    "backends": ("gpuserve.engine", "gpuserve.server", "gpuserve.metrics", "gpuserve.cli"),
+    "backends": (
+        "gpuserve.engine",
+        "gpuserve.server",
+        "gpuserve.metrics",
+        "gpuserve.cli",
+        "gpuserve.protocol",
+        "gpuserve.service",
+        "gpuserve.models",
+    ),
     "service": (
         "gpuserve.server",
         "gpuserve.cli",

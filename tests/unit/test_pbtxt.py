@@ -9,7 +9,7 @@ import pytest
 
 from gpuserve.errors import ConfigError
 from gpuserve.repository.pbtxt import parse_text
-from gpuserve.repository.repository import read_model, scan_repository
+from gpuserve.repository.scan import read_model, scan_repository
 from gpuserve.repository.triton_config import (
     is_triton_config,
     load_triton_config,

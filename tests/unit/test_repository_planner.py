@@ -24,7 +24,7 @@ from gpuserve.repository.planner import (
     plan_switch,
     snapshot,
 )
-from gpuserve.repository.repository import Fingerprint, VersionFolder
+from gpuserve.repository.scan import Fingerprint, VersionFolder
 from gpuserve.repository.state import Model, ModelVersion, VersionState
 from gpuserve.repository.traffic import HISTORY_LENGTH, Signature, plan_route, signature
 

@@ -14,7 +14,6 @@ from gpuserve.config import CanaryConfig
 from gpuserve.errors import ConfigError, InvalidInputError, ModelNotFoundError
 from gpuserve.repository.planner import Settings
 from gpuserve.repository.report import load_failed
-from gpuserve.repository.repository import Fingerprint, VersionFolder
 from gpuserve.repository.rollout import (
     canary_config,
     current_canary,
@@ -23,6 +22,7 @@ from gpuserve.repository.rollout import (
     plan_promote,
     plan_rollback,
 )
+from gpuserve.repository.scan import Fingerprint, VersionFolder
 
 
 def fp(version: int) -> Fingerprint:

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from gpuserve.config import ServerConfig
-from gpuserve.repository.repository import (
+from gpuserve.repository.scan import (
     fingerprint,
     read_version_folder,
     scan_model,

@@ -11,16 +11,16 @@ import pytest
 
 from gpuserve.backends.signature import ModelSignature, ModelTensor, complete_config
 from gpuserve.config import ModelConfig, parse_model_config
-from gpuserve.config_reshape import reshape_problem, transfer_shape
+from gpuserve.config.reshape import reshape_problem, transfer_shape
 from gpuserve.engine.assembly import OutputSpec, split_outputs, stack_inputs
 from gpuserve.engine.batch import BatchResult
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.reshape import ReshapeSpec
 from gpuserve.engine.scheduling import SchedulerCore
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
-from gpuserve.protocol.triton_model_config import triton_model_config, triton_model_config_dict
 from gpuserve.repository.pbtxt import parse_text
 from gpuserve.repository.triton_config import triton_config
+from gpuserve.repository.triton_model_config import triton_model_config, triton_model_config_dict
 
 YAML = Path("/repo/m/config.yaml")
 PBTXT = Path("/repo/m/config.pbtxt")

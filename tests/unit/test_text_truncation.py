@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 
 from gpuserve.errors import InvalidInputError
 from gpuserve.models.sentence_embedding import default_model_dir, load_tokenizer
-from gpuserve.models.text_truncation import (
+from gpuserve.text.truncation import (
     PrefixTruncator,
     admit_texts,
     bounded_texts,

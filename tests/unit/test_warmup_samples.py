@@ -11,7 +11,7 @@ import pytest
 
 from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.config import parse_model_config
-from gpuserve.config_warmup import WarmupInput, WarmupSample, WarmupTarget, warmup_problem
+from gpuserve.config.warmup import WarmupInput, WarmupSample, WarmupTarget, warmup_problem
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.engine.assembly import stack_inputs
 from gpuserve.engine.instance import Instance
@@ -26,7 +26,7 @@ from gpuserve.engine.warmup_samples import (
 )
 from gpuserve.errors import BackendError, ConfigError
 from gpuserve.repository.pbtxt import parse_text
-from gpuserve.repository.repository import scan_model
+from gpuserve.repository.scan import scan_model
 from gpuserve.repository.triton_config import triton_config
 
 BASE = {

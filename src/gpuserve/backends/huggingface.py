@@ -30,7 +30,7 @@ than ``max_length`` fails alone (400); the rest of its batch is served.
 Admission step (:meth:`HuggingFaceBackend.admission`, per request before batching, on the
 server's admission threads): each row's tokens after truncation, and a text longer than
 ``max_length`` tokens cut before tokenisation to a prefix that tokenises exactly as the whole
-text truncated (:mod:`gpuserve.models.text_truncation`; at most ``max_length x 128``
+text truncated (:mod:`gpuserve.text.truncation`; at most ``max_length x 128``
 characters are read), so a 2 MB text costs what a ``max_length``-token one does. With
 ``truncation: false`` a row over ``max_length`` fails its request with 400 at admission
 (naming its count and the limit); a row over ``max_length x 128`` characters whose count that
@@ -52,8 +52,8 @@ from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowError
 from gpuserve.backends.optional import library_lock, require
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
-from gpuserve.models.sentence_embedding import decode_texts
-from gpuserve.models.text_truncation import (
+from gpuserve.text.decode import decode_texts
+from gpuserve.text.truncation import (
     PrefixTruncator,
     admit_texts,
     bounded_texts,
@@ -400,7 +400,7 @@ class HuggingFaceBackend(Backend):
     def admission(self) -> AdmissionStep | None:
         """The text tasks' admission step: tokens per row after truncation, long texts cut
         before tokenisation (with ``truncation: false``, a row over ``max_length`` fails its
-        request with 400 at admission). See :mod:`gpuserve.models.text_truncation`."""
+        request with 400 at admission). See :mod:`gpuserve.text.truncation`."""
         return self._step
 
     def count_tokens(self, texts: list[str]) -> list[int]:

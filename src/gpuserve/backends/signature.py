@@ -15,7 +15,7 @@ Policies:
 * With ``max_batch_size > 0`` every model input and output must have a dynamic first
   dimension (the batch); the config's shapes are the model's without it.
 * A tensor with a ``reshape`` is compared by its reshape (the shape the model sees; clients
-  use its ``shape``, see :mod:`gpuserve.config_reshape`).
+  use its ``shape``, see :mod:`gpuserve.config.reshape`).
 * A model dimension that is fixed must be declared with that value (``-1`` there would let
   requests through that the model then refuses). A dynamic model dimension may be declared
   ``-1`` or a fixed value (the config may narrow what the model accepts).

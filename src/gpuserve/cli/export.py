@@ -169,7 +169,7 @@ def export_model(
     from gpuserve.backends.onnx_export import export_version, exported_config_yaml
     from gpuserve.config import CONFIG_FILENAME, load_model_config
     from gpuserve.errors import ConfigError
-    from gpuserve.repository.repository import scan_model, version_folders
+    from gpuserve.repository.scan import scan_model, version_folders
 
     source_dir = repository / model
     if not (source_dir / CONFIG_FILENAME).is_file():

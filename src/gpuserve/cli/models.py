@@ -234,7 +234,7 @@ def _list(args: argparse.Namespace) -> int:
 
 def _list_repository(root: Path, as_json: bool) -> int:
     from gpuserve.errors import ConfigError
-    from gpuserve.repository.repository import scan_repository
+    from gpuserve.repository.scan import scan_repository
 
     try:
         entries = scan_repository(root)
@@ -272,7 +272,7 @@ def _list_repository(root: Path, as_json: bool) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from gpuserve.errors import ConfigError
-    from gpuserve.repository.repository import scan_repository, validate_repository
+    from gpuserve.repository.scan import scan_repository, validate_repository
 
     root: Path = args.model_repository
     try:

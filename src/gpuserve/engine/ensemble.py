@@ -2,7 +2,7 @@
 checks of an ensemble against its step models' configurations.
 
 :class:`EnsemblePlan` is built once per loaded ensemble version from its ``ensemble`` section
-(:mod:`gpuserve.config_ensemble` has already checked the graph). :class:`EnsembleRun` is one
+(:mod:`gpuserve.config.ensemble` has already checked the graph). :class:`EnsembleRun` is one
 request's progress: which steps may start (every tensor they consume exists), the tensors
 produced so far, and the ensemble's outputs once every step is done. Nothing here waits or
 touches a scheduler: :mod:`gpuserve.engine.ensemble_scheduler` drives it on the event loop.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuserve.config import ModelConfig, TensorSpec
-from gpuserve.config_ensemble import EnsembleConfig, dependencies, step_label
+from gpuserve.config.ensemble import EnsembleConfig, dependencies, step_label
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Padding variable-length inputs into one batch and cutting outputs back, as pure functions.
 
-For a model whose inputs declare ``pad_value`` (see :mod:`gpuserve.config_padding`):
+For a model whose inputs declare ``pad_value`` (see :mod:`gpuserve.config.padding`):
 
 * :meth:`PaddingSpec.key` is the request's shape key with the padded dimensions wildcarded
   (``-1``), so requests of different lengths share a batch;
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpuserve.config import ModelConfig
-from gpuserve.config_padding import variable_axes
+from gpuserve.config.padding import variable_axes
 from gpuserve.engine.assembly import ShapeKey
 from gpuserve.engine.batch import Outputs, Pending
 from gpuserve.engine.request import InferenceRequest, RequestCost

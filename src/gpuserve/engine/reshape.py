@@ -1,5 +1,5 @@
 """Inputs and outputs whose ``reshape`` differs from their shape (see
-:mod:`gpuserve.config_reshape`), applied where Triton applies them: a request's inputs at
+:mod:`gpuserve.config.reshape`), applied where Triton applies them: a request's inputs at
 admission, before it is batched, so the batcher, the instance and the model all see the
 model's shape; its outputs when its batch has run, before anyone else sees them.
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuserve.config import ModelConfig
-from gpuserve.config_reshape import transfer_shape, uses_reshape
+from gpuserve.config.reshape import transfer_shape, uses_reshape
 from gpuserve.engine.batch import Outputs
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.errors import BackendError, GpuserveError, InvalidInputError

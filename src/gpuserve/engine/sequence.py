@@ -3,7 +3,7 @@
 It takes the dynamic batcher's place in the scheduling core (same interface: ``add``,
 ``next_batch``, ``expire``, ``next_wakeup``, ``remove``, ``drain``, ``take_cancelled``,
 ``instance_freed``, ``len()``, ``queued_rows``) for a model with ``sequence_batching``
-(:mod:`gpuserve.config_sequence`), plus :meth:`SequenceBatcher.ran`, which the core calls
+(:mod:`gpuserve.config.sequence`), plus :meth:`SequenceBatcher.ran`, which the core calls
 with every batch result before it answers the requests. No threads, no clock of its own:
 every time is seconds on the caller's monotonic clock, so tests use a fake clock.
 
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.config import ModelConfig
-from gpuserve.config_sequence import SequenceBatchingConfig
+from gpuserve.config.sequence import SequenceBatchingConfig
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.batcher import DynamicBatcher
 from gpuserve.engine.inflight import Worker

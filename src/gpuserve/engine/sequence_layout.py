@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpuserve.config_sequence import ControlInput
+from gpuserve.config.sequence import ControlInput
 from gpuserve.engine.batch import BatchResult, Pending
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.sequence_tensors import SequenceFlags, control_array

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.config_sequence import ControlInput, StateSpec
+from gpuserve.config.sequence import ControlInput, StateSpec
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import InvalidInputError
 

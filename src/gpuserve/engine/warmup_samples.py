@@ -1,4 +1,4 @@
-"""The tensors of a model's ``model_warmup`` samples (see :mod:`gpuserve.config_warmup`).
+"""The tensors of a model's ``model_warmup`` samples (see :mod:`gpuserve.config.warmup`).
 
 Mostly pure functions: a sample's configuration in, numpy arrays out. An instance runs them
 through its own stages before its version serves (``Instance`` in :mod:`.instance`); a
@@ -27,7 +27,7 @@ import numpy as np
 
 from gpuserve.backends.base import Backend
 from gpuserve.config import ModelConfig
-from gpuserve.config_warmup import (
+from gpuserve.config.warmup import (
     WARMUP_FOLDER,
     WarmupInput,
     WarmupSample,

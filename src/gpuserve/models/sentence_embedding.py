@@ -28,7 +28,8 @@ from gpuserve.models.bert import (
     mean_pool_packed,
 )
 from gpuserve.models.bert_onnx import OrtSession, load_session
-from gpuserve.models.text_truncation import PrefixTruncator, bounded_texts
+from gpuserve.text.decode import decode_texts as decode_texts
+from gpuserve.text.truncation import PrefixTruncator, bounded_texts
 
 TOKENIZER_FILENAME = "tokenizer.json"
 SENTENCE_CONFIG_FILENAME = "sentence_bert_config.json"
@@ -68,36 +69,6 @@ def load_tokenizer(model_dir: str | Path, max_seq_len: int) -> Tokenizer:
     pad_token = tokenizer.id_to_token(PAD_ID) or "[PAD]"
     tokenizer.enable_padding(pad_id=PAD_ID, pad_type_id=0, pad_token=pad_token, length=None)
     return tokenizer
-
-
-def decode_texts(values: np.ndarray) -> list[str]:
-    """Turn a BYTES tensor into strings, one per row.
-
-    Args:
-        values: numpy ``object`` array [B, 1] (or [B]) of ``bytes`` (``str`` is accepted too).
-
-    Returns:
-        B strings. Invalid UTF-8 is decoded with ``errors="replace"`` (each bad byte becomes
-        U+FFFD, which the BERT tokenizer drops) rather than failing the whole batch. Served
-        requests never bring any here: the admission step refuses them, one request at a
-        time (:func:`~gpuserve.models.text_truncation.admit_texts`); this covers calls that
-        skip admission, such as another model's.
-
-    Raises:
-        ValueError: ``values`` has more than one element per row.
-        TypeError: an element is neither ``bytes`` nor ``str``.
-    """
-    if values.ndim == 0 or values.size != values.shape[0]:
-        raise ValueError(f"expected one string per row, got shape {list(values.shape)}")
-    texts = []
-    for item in values.reshape(-1):
-        if isinstance(item, bytes):
-            texts.append(item.decode("utf-8", errors="replace"))
-        elif isinstance(item, str):
-            texts.append(item)
-        else:
-            raise TypeError(f"expected bytes or str elements, got {type(item).__name__}")
-    return texts
 
 
 @dataclass(slots=True)
@@ -270,7 +241,7 @@ class SentenceEmbedder:
         return TokenizedBatch(ids, mask, padded)
 
     def truncator(self) -> PrefixTruncator:
-        """The truncator of the admission step (:mod:`gpuserve.models.text_truncation`): cuts
+        """The truncator of the admission step (:mod:`gpuserve.text.truncation`): cuts
         a long text before tokenisation so it tokenises to exactly what :meth:`tokenize` makes
         of the whole text, and counts tokens. Safe from any thread while batches run: it owns
         a copy of the tokenizer (made on first use), never the one the CPU stage uses."""

@@ -49,10 +49,10 @@ from gpuserve.models.bert_onnx import GRAPH_INPUTS, GRAPH_OUTPUT, export_graph
 from gpuserve.models.sentence_embedding import (
     TOKENIZER_FILENAME,
     SentenceEmbedder,
-    decode_texts,
     load_tokenizer,
 )
-from gpuserve.models.text_truncation import PrefixTruncator, admit_texts, bounded_texts
+from gpuserve.text.decode import decode_texts
+from gpuserve.text.truncation import PrefixTruncator, admit_texts, bounded_texts
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class OnnxTextEmbedding(PythonModel):
 
     def admit(self, inputs: dict[str, np.ndarray]) -> Admitted:
         """Admission step (admission threads): tokens per row, long texts cut before
-        tokenisation, as ``text_embedding`` does (:mod:`gpuserve.models.text_truncation`)."""
+        tokenisation, as ``text_embedding`` does (:mod:`gpuserve.text.truncation`)."""
         return admit_texts(self.truncator, inputs, self.text_input)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:

@@ -34,8 +34,8 @@ from gpuserve.repository.planner import (
     snapshot,
 )
 from gpuserve.repository.report import model_status
-from gpuserve.repository.repository import ModelEntry, VersionFolder, read_version_folder
 from gpuserve.repository.retry import RetryBackoff
+from gpuserve.repository.scan import ModelEntry, VersionFolder, read_version_folder
 from gpuserve.repository.state import Model, ModelVersion, Route, VersionState
 from gpuserve.repository.traffic import RoutePlan, plan_route, signature
 

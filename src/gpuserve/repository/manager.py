@@ -29,9 +29,9 @@ from gpuserve.repository.loading import load_version
 from gpuserve.repository.ondemand import OnDemand
 from gpuserve.repository.planner import Settings
 from gpuserve.repository.report import index_rows, load_failed, model_status, model_summary
-from gpuserve.repository.repository import Fingerprint, ModelEntry, read_model, scan_repository
 from gpuserve.repository.residency import Limits
 from gpuserve.repository.router import Router
+from gpuserve.repository.scan import Fingerprint, ModelEntry, read_model, scan_repository
 from gpuserve.repository.state import Model, ModelVersion, Route, VersionState
 
 __all__ = ["Model", "ModelManager", "ModelVersion", "Route", "VersionState"]

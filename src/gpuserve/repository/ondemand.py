@@ -31,8 +31,8 @@ from gpuserve.errors import ModelNotReadyError
 from gpuserve.repository import footprint, residency
 from gpuserve.repository.executor import Change, take_config
 from gpuserve.repository.held_arrays import held_bytes
-from gpuserve.repository.repository import read_model
 from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
+from gpuserve.repository.scan import read_model
 from gpuserve.repository.state import Model, VersionState
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gpuserve.config import CanaryConfig, VersionPolicy
-from gpuserve.repository.repository import Fingerprint, VersionFolder
+from gpuserve.repository.scan import Fingerprint, VersionFolder
 from gpuserve.repository.state import Model, VersionState
 from gpuserve.repository.traffic import RoutePlan, Signature, plan_route, signature
 

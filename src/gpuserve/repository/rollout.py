@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from gpuserve.config import CanaryConfig
 from gpuserve.errors import ConfigError, InvalidInputError, ModelNotFoundError
 from gpuserve.repository.planner import Settings
-from gpuserve.repository.repository import VersionFolder
+from gpuserve.repository.scan import VersionFolder
 
 
 def canary_config(name: str, version: int, weight: float) -> CanaryConfig:

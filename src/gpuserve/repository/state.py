@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gpuserve.config import CanaryConfig, ModelConfig
 from gpuserve.engine.scheduler import ModelScheduler
-from gpuserve.repository.repository import Fingerprint, ModelEntry
+from gpuserve.repository.scan import Fingerprint, ModelEntry
 
 
 class VersionState(enum.StrEnum):

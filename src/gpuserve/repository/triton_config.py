@@ -10,7 +10,7 @@ priority levels, default queue policy), ``instance_group`` (count, kind, gpus),
 ``version_policy``, ``parameters`` (``string_value``), ``default_model_filename`` (the
 backend's own file name), ``optimization.cuda.graphs`` and the pinned-memory switches (gpuserve
 pins host buffers anyway). ``model_warmup`` maps onto the ``model_warmup`` section (run on
-every instance before the version serves, see :mod:`gpuserve.config_warmup`).
+every instance before the version serves, see :mod:`gpuserve.config.warmup`).
 ``platform: "ensemble"`` with ``ensemble_scheduling`` maps onto the ``ensemble`` section
 (:mod:`gpuserve.repository.triton_ensemble`).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuserve.config import ModelConfig, parse_model_config
-from gpuserve.config_reshape import reshape_problem
+from gpuserve.config.reshape import reshape_problem
 from gpuserve.errors import ConfigError
 from gpuserve.repository.pbtxt import Message, Value, read_pbtxt
 from gpuserve.repository.triton_ensemble import ensemble_section

@@ -1,5 +1,5 @@
 """Triton's ``ensemble_scheduling`` (``platform: "ensemble"``) mapped onto gpuserve's
-``ensemble`` section (:mod:`gpuserve.config_ensemble`)::
+``ensemble`` section (:mod:`gpuserve.config.ensemble`)::
 
     ensemble_scheduling {
       step [

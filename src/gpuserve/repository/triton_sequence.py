@@ -1,5 +1,5 @@
 """Triton's ``sequence_batching`` (``config.pbtxt``) mapped onto gpuserve's
-:class:`~gpuserve.config_sequence.SequenceBatchingConfig` fields.
+:class:`~gpuserve.config.sequence.SequenceBatchingConfig` fields.
 
 Served as Triton means it: ``max_sequence_idle_microseconds``, ``direct``
 (``max_queue_delay_microseconds``, ``minimum_slot_utilization``), ``oldest``

@@ -56,7 +56,7 @@ from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
-from gpuserve.protocol.triton_model_config import triton_model_config_dict
+from gpuserve.repository.triton_model_config import triton_model_config_dict
 
 #: The name Triton models import the utilities under.
 UTILS_MODULE = "triton_python_backend_utils"

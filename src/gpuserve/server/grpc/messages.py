@@ -2,7 +2,7 @@
 
 The HTTP front end encodes the same views (:mod:`gpuserve.service.views`) as JSON, so both
 carry the same content. The model configuration is returned as Triton's
-``inference.ModelConfig`` (:mod:`gpuserve.protocol.triton_model_config`, shared with HTTP).
+``inference.ModelConfig`` (:mod:`gpuserve.repository.triton_model_config`, shared with HTTP).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from gpuserve.engine.stats import Duration, ModelStats
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import model_config_pb2 as mc
-from gpuserve.protocol.triton_model_config import CONFIG_DATATYPE, triton_model_config
+from gpuserve.repository.triton_model_config import CONFIG_DATATYPE, triton_model_config
 from gpuserve.server.security import Redactor
 from gpuserve.service.views import IndexRow, ModelConfigView, ModelMetadata, ServerMetadata
 

@@ -18,7 +18,7 @@ extensions):
     GET  /v2/models[/{m}[/versions/{v}]]/stats statistics extension
     POST /v2/repository/index                 every model version and its state
     POST /v2/repository/models/{m}/...        load, unload, rollback, canary (see
-                                              gpuserve.server.http.repository)
+                                              gpuserve.server.http.repository_api)
     GET  /v2/openapi.json                     this API as an OpenAPI 3 document
     .../systemsharedmemory, /cudasharedmemory Triton's shared-memory, trace-setting and
     /v2/trace/setting, /v2/logging            log-setting extensions (see
@@ -54,7 +54,7 @@ from gpuserve.protocol.limits import RequestLimits
 from gpuserve.server.http import extensions_api, generate, openai
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
-from gpuserve.server.http.repository import RepositoryApi
+from gpuserve.server.http.repository_api import RepositoryApi
 from gpuserve.server.http.request import JSON, HttpRequest
 from gpuserve.server.security import OPEN_HTTP_PATHS, Redactor, Tokens
 from gpuserve.server.status import http_status

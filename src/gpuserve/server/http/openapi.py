@@ -1,7 +1,7 @@
 """The HTTP API as an OpenAPI 3.0 document, served at ``GET /v2/openapi.json``.
 
 It describes every endpoint of :mod:`gpuserve.server.http.app`,
-:mod:`gpuserve.server.http.repository` and :mod:`gpuserve.server.http.openai` (its part is
+:mod:`gpuserve.server.http.repository_api` and :mod:`gpuserve.server.http.openai` (its part is
 in :mod:`gpuserve.server.http.openapi_openai`), with the KServe V2 request and response bodies, the
 error body ``{"error": "..."}`` and every status an endpoint can answer. The test suite runs
 schemathesis against a live server with this document (``tests/integration/test_fuzz_openapi.py``),

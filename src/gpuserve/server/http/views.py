@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gpuserve.engine.stats import ModelStats
-from gpuserve.protocol.triton_model_config import triton_model_config_dict
+from gpuserve.repository.triton_model_config import triton_model_config_dict
 from gpuserve.service.views import ModelConfigView, ReadyView
 
 

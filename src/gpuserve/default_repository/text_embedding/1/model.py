@@ -17,7 +17,7 @@ Parameters (``config.yaml``):
         batch to its longest row and the batcher groups rows of similar length.
 
 A TEXT row that is not UTF-8 is refused at admission (400 naming the row and the byte), not
-embedded as what is left of it (see :func:`gpuserve.models.text_truncation.admit_texts`). A
+embedded as what is left of it (see :func:`gpuserve.text.truncation.admit_texts`). A
 text longer than ``max_seq_len`` tokens is cut at admission, before tokenisation (``admit``),
 so a 2 MB text costs what a ``max_seq_len``-token one does.
 """
@@ -39,7 +39,7 @@ from gpuserve.config import ModelConfig
 from gpuserve.models.bert_onnx import cache_root
 from gpuserve.models.sentence_embedding import SentenceEmbedder, TokenizedBatch, decode_texts
 from gpuserve.models.text_embedding_onnx import PythonExport, export_text_embedding
-from gpuserve.models.text_truncation import admit_texts
+from gpuserve.text.truncation import admit_texts
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Model(PythonModel):
         """Admission step (admission threads, per request): each row's tokens after
         truncation, and texts longer than ``max_seq_len`` tokens cut before tokenisation (the
         CPU stage then tokenises the cut text, with the same result as the whole one; see
-        :mod:`gpuserve.models.text_truncation`). Never touches the CPU stage's tokenizer."""
+        :mod:`gpuserve.text.truncation`). Never touches the CPU stage's tokenizer."""
         return admit_texts(self.embedder.truncator(), inputs, "TEXT")
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:

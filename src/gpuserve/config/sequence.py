@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gpuserve.config_base import check_dims
+from gpuserve.config.base import check_dims
 from gpuserve.datatypes import Datatype
 
 if TYPE_CHECKING:
-    from gpuserve.config import ModelConfig
+    from gpuserve.config.model import ModelConfig
 
 __all__ = [
     "ControlInput",

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from gpuserve.config_base import Strict
+from gpuserve.config.base import Strict
 from gpuserve.datatypes import Datatype
 
 if TYPE_CHECKING:
-    from gpuserve.config import ModelConfig, TensorSpec
+    from gpuserve.config.model import ModelConfig, TensorSpec
 
 __all__ = [
     "WARMUP_FOLDER",

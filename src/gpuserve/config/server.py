@@ -1,6 +1,6 @@
 """The server's process-wide settings (:class:`ServerConfig`): ``GPUSERVE_<FIELD>`` environment
 variables and ``gpuserve serve`` flags, validated by pydantic-settings. Model configurations are
-in :mod:`gpuserve.config`, which re-exports these names.
+in :mod:`gpuserve.config.model`; :mod:`gpuserve.config` re-exports both.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 def default_model_repository() -> Path:
     """The repository shipped inside the package (``text_embedding`` and ``simple``)."""
-    return Path(__file__).resolve().parent / "default_repository"
+    return Path(__file__).resolve().parent.parent / "default_repository"
 
 
 class ServerConfig(BaseSettings):

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from gpuserve.config_base import Strict
+from gpuserve.config.base import Strict
 
 if TYPE_CHECKING:
-    from gpuserve.config import ModelConfig
+    from gpuserve.config.model import ModelConfig
 
 
 class EmbeddingConfig(Strict):

@@ -1,4 +1,4 @@
-"""Typed configuration: the server's settings and each model's ``config.yaml``.
+"""Each model's ``config.yaml``, typed: :class:`ModelConfig` and its sections.
 
 Units are part of field names (``max_queue_delay_us``, ``request_timeout_s``). Names follow
 Triton's model configuration wherever Triton has a name for the thing (``max_batch_size``,
@@ -22,15 +22,15 @@ from pydantic import (
     model_validator,
 )
 
-from gpuserve.config_base import Strict as _Strict
-from gpuserve.config_base import check_dims
-from gpuserve.config_embedding import EmbeddingConfig, embedding_problem
-from gpuserve.config_ensemble import EnsembleConfig, graph_problem
-from gpuserve.config_keys import unknown_key_hint
-from gpuserve.config_padding import padding_problem
-from gpuserve.config_reshape import check_reshape_dims, refused_with, reshapes
-from gpuserve.config_sequence import SequenceBatchingConfig, sequence_problem
-from gpuserve.config_warmup import WarmupSample, WarmupTarget, warmup_problem
+from gpuserve.config.base import Strict as _Strict
+from gpuserve.config.base import check_dims
+from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
+from gpuserve.config.ensemble import EnsembleConfig, graph_problem
+from gpuserve.config.keys import unknown_key_hint
+from gpuserve.config.padding import padding_problem
+from gpuserve.config.reshape import check_reshape_dims, refused_with, reshapes
+from gpuserve.config.sequence import SequenceBatchingConfig, sequence_problem
+from gpuserve.config.warmup import WarmupSample, WarmupTarget, warmup_problem
 from gpuserve.datatypes import Datatype
 from gpuserve.errors import ConfigError
 
@@ -49,7 +49,7 @@ class TensorSpec(_Strict):
         pad_value: Inputs only: the variable dimensions (``-1``) may be padded with this
             value, so requests of different lengths share a batch (padded to the batch's
             largest; grouped by length, see ``dynamic_batching.max_batch_tokens``). None: only
-            requests of equal shapes share a batch. See :mod:`gpuserve.config_padding`.
+            requests of equal shapes share a batch. See :mod:`gpuserve.config.padding`.
         unpad: Outputs only: the name of a padded input; each request gets this output's
             variable dimensions cut back to its own sizes of that input's variable dimensions.
         label_filename: Outputs only: a file in the model folder with one class label per
@@ -60,7 +60,7 @@ class TensorSpec(_Strict):
         reshape: The shape the model sees without the batch dimension, when it differs
             from ``shape`` (Triton's ``reshape``): clients use ``shape``, the model gets an
             input / makes an output in ``reshape``. None: ``shape``. See
-            :mod:`gpuserve.config_reshape`.
+            :mod:`gpuserve.config.reshape`.
     """
 
     name: str = Field(min_length=1)
@@ -364,13 +364,13 @@ class ModelConfig(_Strict):
             to zero within the process); its next request loads it again. None: the
             server's ``idle_unload_s``; 0: never.
         ensemble: The steps of an ensemble (``backend: ensemble``; see
-            :mod:`gpuserve.config_ensemble`).
+            :mod:`gpuserve.config.ensemble`).
         model_transaction_policy: ``decoupled: true`` for a model that answers a request
             with a stream of responses (see ``TransactionPolicyConfig``; backend python).
         sequence_batching: Serve a stateful model with the sequence batcher (see
-            :mod:`gpuserve.config_sequence`); None: the dynamic batcher.
+            :mod:`gpuserve.config.sequence`); None: the dynamic batcher.
         model_warmup: Requests each instance runs before the version serves (Triton's
-            ``model_warmup``, see :mod:`gpuserve.config_warmup`).
+            ``model_warmup``, see :mod:`gpuserve.config.warmup`).
     """
 
     name: str | None = None
@@ -428,7 +428,7 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_ensemble(self) -> ModelConfig:
-        # The graph alone (see gpuserve.config_ensemble); the steps' tensors at load.
+        # The graph alone (see gpuserve.config.ensemble); the steps' tensors at load.
         if (self.backend == "ensemble") != (self.ensemble is not None):
             raise ValueError(
                 "backend 'ensemble' and an 'ensemble' section go together "
@@ -561,8 +561,3 @@ def load_model_config(path: Path) -> ModelConfig:
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     return parse_model_config(data, path, path.parent.name)
-
-
-# The server's settings live in gpuserve.settings; importable from here as before.
-from gpuserve.settings import ServerConfig as ServerConfig  # noqa: E402
-from gpuserve.settings import default_model_repository as default_model_repository  # noqa: E402

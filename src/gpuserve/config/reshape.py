@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpuserve.config import ModelConfig, TensorSpec
+    from gpuserve.config.model import ModelConfig, TensorSpec
 
 __all__ = [
     "check_reshape_dims",

@@ -6,8 +6,8 @@ seconds of CPU before all but its first ``max_length`` tokens are thrown away (B
 :class:`PrefixTruncator` bounds that work by the model's limit, not by the text's size:
 
 1. At most ``4 x cap_chars`` bytes of a UTF-8 row are decoded (a cut backs off to a character
-   boundary; invalid bytes become U+FFFD, as :func:`~gpuserve.models.sentence_embedding.
-   decode_texts` does).
+   boundary; invalid bytes become U+FFFD, as :func:`~gpuserve.text.decode.decode_texts`
+   does).
 2. A text of at most ``first_chars`` characters (default ``max_length x 8``) is tokenised whole:
    its count is exact and the row is kept as is.
 3. A longer text is cut at the start of a whitespace run at or before ``first_chars`` characters

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpuserve.config import ModelConfig
+    from gpuserve.config.model import ModelConfig
 
 
 def variable_axes(shape: list[int]) -> tuple[int, ...]:

@@ -6,6 +6,11 @@ The fields carried are those gpuserve has an equivalent for: name, platform/back
 max_batch_size, inputs and outputs with ``TYPE_*`` datatypes, dims and reshape, dynamic batching
 and its queue policy, instance groups, version policy, CUDA graphs, parameters and the
 ``model_warmup`` samples.
+
+The writer lives beside its reader (:mod:`gpuserve.repository.triton_config`, config.pbtxt ->
+gpuserve's config) rather than in :mod:`gpuserve.protocol`, so the Python backend (which hands
+it to Triton Python models) uses it without importing the wire-format layer; it imports only
+:mod:`gpuserve.config` and the generated ``model_config_pb2`` message.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import orjson
 from google.protobuf import json_format
 
 from gpuserve.config import ModelConfig, TensorSpec
-from gpuserve.config_warmup import WarmupSample
+from gpuserve.config.warmup import WarmupSample
 from gpuserve.protocol.protos import model_config_pb2 as mc
-from gpuserve.protocol.triton_scheduling import scheduling_fields
+from gpuserve.repository.triton_scheduling import scheduling_fields
 
 #: V2 datatype -> Triton's model-configuration ``DataType`` (BYTES is ``TYPE_STRING``).
 CONFIG_DATATYPE: dict[str, mc.DataType] = {

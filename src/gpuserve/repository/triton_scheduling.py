@@ -5,6 +5,9 @@
 Field names and numbers are Triton's (``model_config.proto``); Triton clients and tools read
 them to tell a sequence model (they must send sequence ids), an ensemble and a decoupled model
 (``perf_analyzer``/``genai-perf`` stream its responses) from a plain one.
+
+Part of the ModelConfig writer (:mod:`gpuserve.repository.triton_model_config`), beside the
+config.pbtxt reader rather than in :mod:`gpuserve.protocol`, so backends may use it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpuserve.config import ModelConfig
-from gpuserve.config_sequence import SequenceBatchingConfig
+from gpuserve.config.sequence import SequenceBatchingConfig
 from gpuserve.protocol.protos import model_config_pb2 as mc
 
 _SEQ = mc.ModelSequenceBatching
