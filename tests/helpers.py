@@ -222,5 +222,5 @@ def wait_queue(
 def ran_rows(server: InProcessServer, model: str) -> list[float]:
     """The first element of every row a fixture model that logs its rows has run (the
     ``RAN`` list of ``slow_fp32``'s ``model.py``, found through the loaded model)."""
-    instance = server.manager.scheduler(model, None).instances[0]
+    instance = server.manager.runner(model, None).instances[0]
     return type(instance.backend.model).forward.__globals__["RAN"]

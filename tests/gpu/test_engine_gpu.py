@@ -15,7 +15,7 @@ from gpuserve.backends.torch_backend import TorchBackend
 from gpuserve.config import ModelConfig
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 
 pytestmark = pytest.mark.gpu
 

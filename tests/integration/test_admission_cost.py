@@ -139,7 +139,7 @@ class Recorder:
 
 
 def backend_of(server, model: str):
-    scheduler = server.manager.models[model].route.default.scheduler
+    scheduler = server.manager.models[model].route.default.runner
     return scheduler.instances[0].backend
 
 

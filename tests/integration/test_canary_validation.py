@@ -83,13 +83,13 @@ def test_the_versions_are_served_with_different_batch_limits(server):
     assert status["canary"] == {"version": "2", "weight": 1.0}
     # /config shows the served (default) version's configuration
     assert one["max_batch_size"] == two["max_batch_size"] == 8
-    scheduler = server.manager.version("canaried", "2").scheduler
+    scheduler = server.manager.version("canaried", "2").runner
     assert scheduler.config.max_batch_size == 2
 
 
 def test_a_request_too_large_for_the_canary_is_refused_with_its_limit_over_http(server):
     rows = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
-    stats = server.manager.version("canaried", "2").scheduler.stats
+    stats = server.manager.version("canaried", "2").runner.stats
     failed_before = stats.fail.count
     response = httpx.post(f"{server.url}/v2/models/canaried/infer", json=_body(rows))
     assert response.status_code == 400, response.text

@@ -14,7 +14,7 @@ import pytest
 
 def slow_model_log(server) -> list[float]:
     """The rows slow_fp32_1s actually ran (first element of each), from the loaded model."""
-    scheduler = server.manager.scheduler("slow_fp32_1s", None)
+    scheduler = server.manager.runner("slow_fp32_1s", None)
     model = scheduler.instances[0].backend.model
     return type(model).forward.__globals__["RAN"]
 
@@ -60,7 +60,7 @@ def test_bc11_disconnected_clients_are_not_run_and_later_requests_succeed(server
         assert list(pool.map(lambda t: call(url, t, 30), range(1, 9))) == [200] * 8
         # 2. a patient request occupies the instance for 1 s; 24 impatient clients queue
         #    behind it and give up after 0.2 s, before it finishes
-        scheduler = server.manager.scheduler("slow_fp32_1s", None)
+        scheduler = server.manager.runner("slow_fp32_1s", None)
         blocker = pool.submit(call, url, 999.0, 30)
         while not (scheduler.instances[0].in_flight == 1 and len(scheduler.batcher) == 0):
             time.sleep(0.005)

@@ -283,7 +283,7 @@ def test_bc25_grpc_calls_admitted_before_the_stop_finish_and_new_ones_are_unavai
                 pool.submit(httpx.post, url, json=fp32_body(200.0 + i), timeout=30)
                 for i in range(10)
             ]
-            scheduler = server.manager.scheduler("slow_fp32", None)
+            scheduler = server.manager.runner("slow_fp32", None)
             # every request admitted (a loaded machine may finish the first batch meanwhile)
             wait_until(
                 lambda: (

@@ -42,7 +42,7 @@ def server():
 
 def model_of(server: InProcessServer, name: str):
     """The user's model object of ``name``'s first instance (its module holds the records)."""
-    return server.manager.scheduler(name, None).instances[0].backend.model
+    return server.manager.runner(name, None).instances[0].backend.model
 
 
 class Records:
@@ -51,7 +51,7 @@ class Records:
     def __init__(self, server: InProcessServer) -> None:
         self.tables = [
             type(instance.backend.model).generate.__globals__["RECORDS"]
-            for instance in server.manager.scheduler("counter", None).instances
+            for instance in server.manager.runner("counter", None).instances
         ]
 
     def get(self, tag: int):
@@ -204,9 +204,8 @@ def test_a_stream_of_1000_responses_arrives_in_order_with_a_slow_reader(server):
     # levels off at what the transport holds (HTTP/2 windows and socket buffers: ~150-260
     # responses of 16 KiB here) plus the server's few.
     assert max(produced_ahead) < 400, produced_ahead[::50]
-    from gpuserve.service.streaming import executor_of
 
-    executor = executor_of(server.manager.scheduler("counter", None))
+    executor = server.manager.runner("counter", None).executor
     assert executor is not None
     assert 1 <= executor.peak_buffered <= BUFFERED
 
@@ -407,14 +406,12 @@ def test_a_stream_counts_once_in_statistics_with_its_responses(server):
         body = httpx.get(f"{server.url}/v2/models/counter/stats", timeout=10).json()
         return body["model_stats"][0]
 
-    from gpuserve.service.streaming import executor_of
-
-    executor = executor_of(server.manager.scheduler("counter", None))
+    executor = server.manager.runner("counter", None).executor
     responses_before = executor.responses_total if executor is not None else 0
     before = stats()
     r = httpx.post(f"{server.url}/v2/models/counter/generate_stream", json={"COUNT": 7})
     assert r.text.count("data:") == 7
-    executor = executor_of(server.manager.scheduler("counter", None))
+    executor = server.manager.runner("counter", None).executor
     wait_until(lambda: stats()["inference_count"] == before["inference_count"] + 1)
     after = stats()
     assert after["inference_stats"]["success"]["count"] == (
@@ -456,7 +453,7 @@ def test_unloading_a_model_lets_its_running_stream_finish():
     try:
         loaded = httpx.post(f"{running.url}/v2/repository/models/counter/load", timeout=60)
         assert loaded.status_code == 200, loaded.text
-        scheduler = running.manager.scheduler("counter", None)
+        scheduler = running.manager.runner("counter", None)
         unloaded: list[tuple[httpx.Response, float]] = []
         body = {"COUNT": 300, "PAD": 65536, "TAG": 7}
         with (

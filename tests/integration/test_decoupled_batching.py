@@ -38,7 +38,7 @@ def server():
 
 def module_state(server: InProcessServer, name: str) -> list:
     """The model's module-level list ``name`` (``CALLS`` or ``EVENTS``)."""
-    model = server.manager.scheduler(MODEL, None).instances[0].backend.model
+    model = server.manager.runner(MODEL, None).instances[0].backend.model
     return type(model).execute.__globals__[name]
 
 
@@ -178,9 +178,8 @@ def test_16_grpc_streams_and_4_sse_streams_get_their_own_responses_from_shared_c
     first = [s.get("response_stats", {}).get("0", {}) for s in (before, after)]
     counts = [entry.get("success", {}).get("count", 0) for entry in first]
     assert counts[1] - counts[0] == 20
-    from gpuserve.service.streaming import executor_of
 
-    executor = executor_of(server.manager.scheduler(MODEL, None))
+    executor = server.manager.runner(MODEL, None).executor
     assert executor is not None and executor.batcher is not None
     assert 1 <= executor.peak_buffered <= 16  # each request's own bounded buffer (default 16)
 

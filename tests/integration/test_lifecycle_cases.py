@@ -28,10 +28,10 @@ def wait_in_flight(server, count: int, futures=(), timeout_s: float = 20.0) -> N
         done = [f.result() for f in futures if f.done()]
         assert not done, f"requests answered before the stop: {done}"
         admitted = sum(
-            mv.scheduler.in_flight_requests
+            mv.runner.in_flight_requests
             for model in list(server.manager.models.values())
             for mv in list(model.versions.values())
-            if mv.scheduler is not None
+            if mv.runner is not None
         )
         if admitted >= count:
             return

@@ -68,7 +68,7 @@ def test_gpu_memory_returns_after_unload_and_swaps(tmp_path):
             assert loaded - baseline >= 60 * mib
             mv = manager.version("big", None)
             x = np.ones((4, 2048), np.float32)
-            await mv.scheduler.infer(InferenceRequest("big", None, {"INPUT0": x}))
+            await mv.runner.infer(InferenceRequest("big", None, {"INPUT0": x}))
             await manager.rollback("big")  # version 1 loads, version 2 drains and unloads
             assert manager.version("big", None).version == 1
             assert torch.cuda.memory_allocated(0) - baseline < loaded - baseline + 8 * mib

@@ -201,7 +201,7 @@ def v2_embeddings(server, model: str, texts: list[str]) -> np.ndarray:
 
 def loaded_model(server, model: str):
     """The ``Model`` object of a python fixture model, through the backend's wrappers."""
-    backend = server.manager.scheduler(model, None).instances[0].backend
+    backend = server.manager.runner(model, None).instances[0].backend
     for _ in range(3):
         if hasattr(backend, "batches"):
             return backend

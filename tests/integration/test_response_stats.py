@@ -208,7 +208,7 @@ def test_a_generator_that_fails_mid_stream_counts_a_fail_at_that_index(server):
 
 def test_a_stream_cancelled_by_its_client_counts_one_cancel_where_it_stopped(server):
     events = type(
-        server.manager.scheduler("square_int32", None).instances[0].backend.model
+        server.manager.runner("square_int32", None).instances[0].backend.model
     ).execute.__globals__["EVENTS"]
     seen = len(events)
     before = response_stats(server, "square_int32")

@@ -78,7 +78,7 @@ def body(value: float, **params) -> dict:
 
 
 def scheduler(server: InProcessServer, model: str):
-    return server.server.service.manager.version(model, None).scheduler
+    return server.server.service.manager.version(model, None).runner
 
 
 def test_64_interleaved_sequences_over_2_instances_match_their_references(server):

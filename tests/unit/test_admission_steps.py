@@ -18,10 +18,11 @@ import pytest
 from gpuserve.backends.base import Admitted, Backend
 from gpuserve.config import ModelConfig, ServerConfig, TensorSpec
 from gpuserve.engine.request import InferenceRequest, RequestCost
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.backends.base import Capabilities
+from gpuserve.engine.runners.batching import BatchingRunner
 from gpuserve.errors import BackendError, InvalidInputError, OverloadedError
 from gpuserve.repository.manager import Model, ModelManager, ModelVersion, Route, VersionState
-from gpuserve.service.admission import AdmissionPool, admission_step
+from gpuserve.engine.admission import AdmissionPool
 from gpuserve.service.inference import InferenceService
 
 
@@ -42,6 +43,9 @@ class StepBackend:
 
     def admission(self):
         return self.step
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(admission=self.step)
 
 
 @dataclass
@@ -80,8 +84,6 @@ class Wire:
 def service_for(backend: object, **settings) -> tuple[InferenceService, ModelVersion]:
     cfg = config()
     mv = ModelVersion("m", 1, Path("/repo/m/1"), cfg, state=VersionState.READY)
-    mv.scheduler = ModelScheduler(cfg, "1")
-    mv.scheduler.instances = [RecordingInstance(backend)]
     manager = ModelManager(Path("/nonexistent"))
     model = Model("m", cfg, path=Path("/repo/m"))
     model.versions = {1: mv}
@@ -90,13 +92,18 @@ def service_for(backend: object, **settings) -> tuple[InferenceService, ModelVer
     manager.initial_load_done = True
     settings.setdefault("admission_inline_bytes", 0)  # the threads, unless a test asks
     server = ServerConfig(model_repository=Path("/nonexistent"), **settings)
-    return InferenceService(manager, server), mv
+    service = InferenceService(manager, server)
+    instance = RecordingInstance(backend)
+    instance.capabilities = backend.capabilities() if hasattr(backend, "capabilities") else Capabilities()
+    mv.runner = BatchingRunner(cfg, "1", instance.capabilities, service.admission_pool)
+    mv.runner.instances = [instance]
+    return service, mv
 
 
 def attach(mv: ModelVersion) -> RecordingInstance:
-    assert mv.scheduler is not None
-    (instance,) = mv.scheduler.instances
-    mv.scheduler.attach([instance], asyncio.get_running_loop())
+    assert isinstance(mv.runner, BatchingRunner)
+    (instance,) = mv.runner.instances
+    mv.runner.attach([instance], asyncio.get_running_loop())
     assert isinstance(instance, RecordingInstance)
     return instance
 
@@ -125,9 +132,9 @@ def test_without_a_step_submit_is_the_schedulers_own_future_and_no_thread_runs()
     async def go() -> None:
         instance = attach(mv)
         admission = service.admit("m", None, Wire(b"hello"))
-        assert admission.step is None
+        assert admission.runner.capabilities.admission is None
         future = service.submit(admission)
-        assert mv.scheduler is not None and future in mv.scheduler._waiters.values()
+        assert mv.runner is not None and future in mv.runner._waiters.values()
         assert queued_request(instance).cost is None
         assert service.admission_pool._pool is None  # never started
 
@@ -232,8 +239,8 @@ def test_a_failing_step_fails_its_request_only_and_is_counted(raised, error, mes
             await service.run(service.admit("m", None, Wire(b"bad")))
 
     asyncio.run(go())
-    assert mv.scheduler is not None
-    assert mv.scheduler.stats.fail_reasons[error.reason] == 2
+    assert mv.runner is not None
+    assert mv.runner.stats.fail_reasons[error.reason] == 2
 
 
 @pytest.mark.parametrize(
@@ -281,7 +288,7 @@ def test_waiting_work_is_bounded_with_a_429_that_says_why():
         service.submit(service.admit("m", None, Wire(b"d")))  # room again
 
     asyncio.run(go())
-    assert mv.scheduler is not None and mv.scheduler.stats.fail_reasons["rejected"] == 1
+    assert mv.runner is not None and mv.runner.stats.fail_reasons["rejected"] == 1
 
 
 async def _settled(service: InferenceService) -> None:
@@ -335,18 +342,14 @@ def test_shutdown_waits_for_steps_in_progress():
     asyncio.run(go())
 
 
-def test_the_step_is_found_through_the_first_instances_backend():
+def test_the_step_is_declared_once_in_the_backends_capabilities():
     def step(inputs):
         return Admitted((1,))
 
-    cfg = config()
-    scheduler = ModelScheduler(cfg, "1")
-    scheduler.instances = [RecordingInstance(StepBackend(step))]
-    assert admission_step(scheduler) is step
-    scheduler.instances = [RecordingInstance(object())]  # no admission() at all
-    assert admission_step(scheduler) is None
-    scheduler.instances = []
-    assert admission_step(scheduler) is None
+    assert StepBackend(step).capabilities().admission is step
+    assert StepBackend(None).capabilities().admission is None
+    runner = BatchingRunner(config(), "1", StepBackend(step).capabilities())
+    assert runner.capabilities.admission is step
 
 
 def test_the_python_backend_forwards_model_admit():

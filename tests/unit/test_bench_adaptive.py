@@ -15,7 +15,7 @@ from gpuserve.engine.adaptive import AdaptiveBatching
 from gpuserve.engine.batcher import DynamicBatcher, Pending
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 
 A, B = 0.005, 0.002  # fake model: a batch of n rows takes 5 ms + 2 ms per row
 

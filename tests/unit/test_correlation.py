@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpuserve.backends.base import Backend
+from gpuserve.backends.base import Backend, Capabilities
 from gpuserve.backends.correlation import (
     CORRELATION_INPUT,
     correlation_ids,
@@ -47,9 +47,7 @@ def test_a_request_with_an_id_gets_it_on_every_row_and_keeps_its_own_dict():
     assert shape_key(r) != shape_key(plain)  # never one batch of both
 
 
-class _Worker:
-    def __init__(self, reads: bool) -> None:
-        self.backend = type("B", (), {"reads_correlation_ids": reads})()
+READS = Capabilities(reads_row_ids=True)
 
 
 def test_only_models_whose_backends_read_ids_get_them_unless_padded_or_decoupled():
@@ -59,16 +57,16 @@ def test_only_models_whose_backends_read_ids_get_them_unless_padded_or_decoupled
         "outputs": [{"name": "Y", "datatype": "INT32", "shape": [1]}],
     }
     plain = ModelConfig(backend="python", **base)
-    assert wants_correlation_ids(plain, False, [_Worker(True), _Worker(True)])
-    assert not wants_correlation_ids(plain, False, [_Worker(True), _Worker(False)])
-    assert not wants_correlation_ids(plain, False, [])
-    assert not wants_correlation_ids(plain, True, [_Worker(True)])
+    assert wants_correlation_ids(plain, False, READS)
+    assert not wants_correlation_ids(plain, False, Capabilities.common([READS, Capabilities()]))
+    assert not wants_correlation_ids(plain, False, Capabilities.common([]))
+    assert not wants_correlation_ids(plain, True, READS)
     decoupled = ModelConfig(backend="python", model_transaction_policy={"decoupled": True}, **base)
-    assert not wants_correlation_ids(decoupled, False, [_Worker(True)])
-    assert PythonModelBackend().reads_correlation_ids is False  # not loaded: no Triton model
+    assert not wants_correlation_ids(decoupled, False, READS)
     triton = PythonModelBackend()
     triton.impl = TritonPythonRunner(object)
-    assert triton.reads_correlation_ids
+    assert triton.capabilities().reads_row_ids
+    assert triton.capabilities().streams_batches
 
 
 def test_ids_of_a_stacked_batch_row_by_row():

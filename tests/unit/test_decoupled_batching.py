@@ -154,7 +154,7 @@ def named_sink(request_id: str, sequence_id: int | None = None, cancel_after=Non
 
 def test_one_execute_serves_a_batch_each_request_through_its_own_sender(tmp_path):
     backend = loaded(tmp_path, BATCHED, config(max_batch_size=4, dynamic_batching={}))
-    assert backend.streams_batches
+    assert backend.capabilities().streams_batches
     sinks = [named_sink("a", 7), named_sink("b"), named_sink("c", cancel_after=1)]
     arrays = [np.array([[1, 2, 3]], np.int32), np.array([[10]], np.int32)]
     arrays.append(np.array([[20, 21]], np.int32))
@@ -177,7 +177,7 @@ class Model(PythonModel):
         yield {"OUT": inputs["IN"][:, :1]}
 """
     backend = loaded(tmp_path, source, config(max_batch_size=4, dynamic_batching={}))
-    assert not backend.streams_batches
+    assert not backend.capabilities().streams_batches
     sinks = [named_sink("a"), named_sink("b")]
     arrays = [np.array([[1]], np.int32), np.array([[2]], np.int32)]
     backend.stream_batch([StreamCall({"IN": a}, s) for a, s in zip(arrays, sinks, strict=True)])

@@ -14,6 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpuserve.backends.base import Capabilities
+from gpuserve.backends.python import PythonBackend
+from gpuserve.backends.triton_python.backend import PythonModelBackend
 from gpuserve.config import (
     EmbeddingConfig,
     ModelConfig,
@@ -23,7 +26,7 @@ from gpuserve.config import (
     load_model_config,
 )
 from gpuserve.engine.request import InferenceResponse
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 from gpuserve.errors import BackendError, ConfigError, ModelNotFoundError, OverloadedError
 from gpuserve.metrics import ServerMetrics
 from gpuserve.protocol.openai_codec import EmbeddingsBody
@@ -203,17 +206,23 @@ class Counting:
         self.threads.append(threading.current_thread().name)
         return [len(t.split()) for t in texts]
 
+    def capabilities(self) -> Capabilities:
+        """A text backend declares its own counter (as ``huggingface`` does)."""
+        return Capabilities(count_tokens=self.count_tokens)
 
-class PythonBackendLike:
-    def __init__(self, model) -> None:
-        self.model = model
+
+def python_backend(model) -> PythonBackend:
+    """The ``python`` backend's ``Model`` implementation, holding the user's class."""
+    backend = PythonBackend()
+    backend.model = model
+    return backend
 
 
-class WrappingBackend:
+def wrapping_backend(model) -> PythonModelBackend:
     """The ``python`` backend: an implementation (``impl``) holding the user's class."""
-
-    def __init__(self, impl) -> None:
-        self.impl = impl
+    backend = PythonModelBackend()
+    backend.impl = python_backend(model)
+    return backend
 
 
 def scheduler_with(backend: object, max_batch_size: int = 2, queue: int = 8) -> ModelScheduler:
@@ -225,7 +234,9 @@ def scheduler_with(backend: object, max_batch_size: int = 2, queue: int = 8) -> 
             ),
         }
     )
-    scheduler = ModelScheduler(config, "1")
+    declare = getattr(backend, "capabilities", None)
+    capabilities = declare() if callable(declare) else Capabilities()
+    scheduler = ModelScheduler(config, "1", capabilities)
     scheduler.instances = [FakeInstance(backend)]
     return scheduler
 
@@ -233,8 +244,8 @@ def scheduler_with(backend: object, max_batch_size: int = 2, queue: int = 8) -> 
 def test_the_counter_is_the_backends_or_the_python_models():
     counting = Counting()
     assert model_counter(scheduler_with(counting)) == counting.count_tokens
-    assert model_counter(scheduler_with(PythonBackendLike(counting))) == counting.count_tokens
-    wrapped = WrappingBackend(PythonBackendLike(counting))
+    assert model_counter(scheduler_with(python_backend(counting))) == counting.count_tokens
+    wrapped = wrapping_backend(counting)
     assert model_counter(scheduler_with(wrapped)) == counting.count_tokens
     assert model_counter(scheduler_with(object())) is None
 
@@ -243,7 +254,7 @@ def service_over(scheduler: ModelScheduler) -> InferenceService:
     config = scheduler.config
     manager = ModelManager(Path("/nonexistent"))
     mv = ModelVersion("m", 1, Path("/repo/m/1"), config, state=VersionState.READY)
-    mv.scheduler = scheduler
+    mv.runner = scheduler
     model = Model("m", config, path=Path("/repo/m"))
     model.versions = {1: mv}
     model.route = Route(mv)

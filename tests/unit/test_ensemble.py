@@ -15,7 +15,7 @@ import yaml
 from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.engine.calls import check_call_inputs
 from gpuserve.engine.ensemble import EnsemblePlan, EnsembleRun, step_problems
-from gpuserve.engine.ensemble_scheduler import EnsembleScheduler
+from gpuserve.engine.runners.ensemble import EnsembleRunner
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import (
     BackendError,
@@ -236,7 +236,10 @@ def test_steps_that_do_not_fit_are_named(change, message):
 
 
 class FakeStep:
-    """A step model's scheduler: answers with ``fn(inputs)`` on the next loop turn."""
+    """A step model's runner: answers with ``fn(inputs)`` on the next loop turn (no
+    instances: it neither gives nor takes tensors)."""
+
+    instances: tuple[object, ...] = ()
 
     def __init__(self, fn, loop, hold: bool = False) -> None:
         self.fn = fn
@@ -261,7 +264,7 @@ class FakeRouter:
     def __init__(self, steps: dict[str, FakeStep]) -> None:
         self.steps = steps
 
-    def scheduler(self, name: str, version: str | None):
+    def runner(self, name: str, version: str | None):
         if name not in self.steps:
             raise ModelNotReadyError(f"model '{name}' is not ready: unloaded")
         return self.steps[name]
@@ -288,7 +291,7 @@ def run_ensemble(text: str, values: np.ndarray, **override):
     async def main():
         loop = asyncio.get_running_loop()
         steps = fake_steps(loop, **override)
-        scheduler = EnsembleScheduler(config(text), "1", FakeRouter(steps))
+        scheduler = EnsembleRunner(config(text), "1", FakeRouter(steps))
         scheduler.attach_loop(loop)
         request = InferenceRequest("ens", None, {"IN": values}, id="r1")
         try:
@@ -329,7 +332,7 @@ def test_a_step_model_that_is_not_served_is_503_naming_it():
         loop = asyncio.get_running_loop()
         steps = fake_steps(loop)
         del steps["join"]
-        scheduler = EnsembleScheduler(config(DIAMOND), "1", FakeRouter(steps))
+        scheduler = EnsembleRunner(config(DIAMOND), "1", FakeRouter(steps))
         scheduler.attach_loop(loop)
         with pytest.raises(ModelNotReadyError, match=r"ensemble.steps\[0\] \(model 'join'\)"):
             await scheduler.infer(InferenceRequest("ens", None, {"IN": np.zeros((1, 4))}))
@@ -344,7 +347,7 @@ def test_a_step_past_step_timeout_s_fails_the_request_and_drops_its_step():
         loop = asyncio.get_running_loop()
         held = FakeStep(lambda x: x, loop, hold=True)
         steps = fake_steps(loop, f=held)
-        scheduler = EnsembleScheduler(config(text), "1", FakeRouter(steps))
+        scheduler = EnsembleRunner(config(text), "1", FakeRouter(steps))
         scheduler.attach_loop(loop)
         with pytest.raises(RequestTimeoutError, match=r"steps\[2\] \(model 'f'\).*0.01"):
             await scheduler.infer(InferenceRequest("ens", None, {"IN": np.zeros((1, 4))}))

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from gpuserve.backends import tensors
+from gpuserve.backends.base import Capabilities
 from gpuserve.config import parse_model_config
 from gpuserve.engine.assembly import (
     HandoffRequest,
@@ -31,8 +32,9 @@ from gpuserve.engine.assembly import (
 from gpuserve.engine.batch import Pending
 from gpuserve.engine.ensemble import EnsemblePlan
 from gpuserve.engine.ensemble_handoff import StepPlacement, kept_outputs, placement_of
-from gpuserve.engine.ensemble_scheduler import EnsembleScheduler
+from gpuserve.engine.runners.ensemble import EnsembleRunner
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.engine.runners.base import VersionRunner
 
 PATH = Path("repo/ens/config.yaml")
 
@@ -224,6 +226,9 @@ class FakeBackend:
     gives_tensors: bool = True
     takes_tensors: bool = True
 
+    def capabilities(self) -> Capabilities:
+        return Capabilities(gives_tensors=self.gives_tensors, takes_tensors=self.takes_tensors)
+
 
 @dataclass
 class FakeContext:
@@ -234,26 +239,32 @@ class FakeContext:
 class FakeInstance:
     backend: FakeBackend = field(default_factory=FakeBackend)
     context: FakeContext = field(default_factory=FakeContext)
+    capabilities: Capabilities = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capabilities = self.backend.capabilities()  # as Instance does after load
 
 
-@dataclass
-class FakeCore:
-    padding: object = None
+class FakeRunner:
+    """What :func:`placement_of` reads of a runner: its instances, what they all can do
+    (``Capabilities.common``, as at load), whether it pads, and its devices (the runners')."""
+
+    devices = VersionRunner.devices
+
+    def __init__(self, instances, *, pads: bool = False) -> None:
+        self.instances = instances
+        self.capabilities = Capabilities.common([i.capabilities for i in instances])
+        self.pads = pads
 
 
 def test_placement_of_reads_the_instances_backends_and_devices():
-    class Sched:
-        def __init__(self, instances, padding=None):
-            self.instances = instances
-            self.core = FakeCore(padding)
-
     assert placement_of(None) is None
-    assert placement_of(Sched([])) == StepPlacement()
-    two = Sched([FakeInstance(), FakeInstance(context=FakeContext("cuda:1"))])
+    assert placement_of(FakeRunner([])) == StepPlacement()
+    two = FakeRunner([FakeInstance(), FakeInstance(context=FakeContext("cuda:1"))])
     assert placement_of(two) == StepPlacement(True, True, frozenset({"cpu", "cuda:1"}))
-    mixed = Sched([FakeInstance(), FakeInstance(FakeBackend(False, False))])
+    mixed = FakeRunner([FakeInstance(), FakeInstance(FakeBackend(False, False))])
     assert placement_of(mixed) == StepPlacement(False, False, frozenset({"cpu"}))
-    padded = Sched([FakeInstance()], padding=object())
+    padded = FakeRunner([FakeInstance()], pads=True)
     assert placement_of(padded) == StepPlacement(False, False, frozenset({"cpu"}))
 
 
@@ -268,7 +279,9 @@ class TensorStep:
         self.fn = fn
         self.loop = loop
         self.instances = [FakeInstance(FakeBackend(torch_backend, torch_backend))]
-        self.core = FakeCore()
+        self.capabilities = self.instances[0].capabilities
+        self.pads = False
+        self.devices = frozenset({"cpu"})
         self.requests: list[InferenceRequest] = []
 
     def submit(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
@@ -289,7 +302,7 @@ class Router:
     def __init__(self, steps) -> None:
         self.steps = steps
 
-    def scheduler(self, name: str, version: str | None):
+    def runner(self, name: str, version: str | None):
         return self.steps[name]
 
     def cold(self, name: str) -> bool:
@@ -308,7 +321,7 @@ def run_chain(values: np.ndarray, *, c_torch: bool = True, swap_c: bool = False)
             "c": TensorStep(lambda x: {"Y": x["X"] + x["W"]}, loop, torch_backend=c_torch),
         }
         ens = parse_model_config(yaml.safe_load(CHAIN), PATH, "ens")
-        scheduler = EnsembleScheduler(ens, "1", Router(steps))
+        scheduler = EnsembleRunner(ens, "1", Router(steps))
         scheduler.attach_loop(loop)
         if swap_c:  # c's model becomes one that takes host data once the run has started
             future = scheduler.submit(InferenceRequest("ens", None, {"IN": values}))

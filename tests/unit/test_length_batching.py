@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.batch import Pending
 from gpuserve.engine.batcher import DynamicBatcher
@@ -203,8 +204,8 @@ def test_the_default_budget_follows_the_instances_device(on_gpu, budget):
             "outputs": [{"name": "Y", "datatype": "FP32", "shape": [1]}],
         }
     )
-    core: SchedulerCore = SchedulerCore(config, "1")
-    core.attach([], on_gpu=on_gpu)
+    core: SchedulerCore = SchedulerCore(config, "1", Capabilities(), on_gpu)
+    core.attach([])
     assert core.batcher.max_batch_tokens == budget
 
 
@@ -219,8 +220,8 @@ def test_a_configured_budget_is_kept_and_admission_reads_the_cost():
             "dynamic_batching": {"max_batch_tokens": 300},
         }
     )
-    core: SchedulerCore = SchedulerCore(config, "1")
-    core.attach([], on_gpu=True)
+    core: SchedulerCore = SchedulerCore(config, "1", Capabilities(), on_gpu=True)
+    core.attach([])
     assert core.batcher.max_batch_tokens == 300
     request = InferenceRequest(
         "m",

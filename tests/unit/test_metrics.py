@@ -34,7 +34,7 @@ def fake_scheduler(name: str = "m", version: str = "1", queued: int = 0, in_flig
         name=name,
         version=version,
         stats=ModelStats(name, version),
-        batcher=[None] * queued,
+        queued=queued,
         in_flight_requests=in_flight,
     )
 
@@ -43,7 +43,7 @@ def fake_manager(*schedulers) -> SimpleNamespace:
     models: dict[str, SimpleNamespace] = {}
     for s in schedulers:
         model = models.setdefault(s.name, SimpleNamespace(versions={}))
-        model.versions[int(s.version)] = SimpleNamespace(scheduler=s)
+        model.versions[int(s.version)] = SimpleNamespace(runner=s)
     return SimpleNamespace(models=models)
 
 
@@ -151,8 +151,9 @@ def test_queue_gauges_are_read_at_scrape_time():
     assert get(metrics, "gpuserve_queue_depth", model="busy", version="1") == 3
     assert get(metrics, "gpuserve_inflight_requests", model="busy", version="1") == 5
     assert get(metrics, "gpuserve_queue_depth", model="idle", version="2") == 0
-    busy.batcher.clear()
+    busy.queued = 0
     busy.in_flight_requests = 0
+    assert get(metrics, "gpuserve_queue_depth", model="busy", version="1") == 0
     assert get(metrics, "gpuserve_inflight_requests", model="busy", version="1") == 0
     del manager.models["idle"]  # unloaded: its gauges go
     assert get(metrics, "gpuserve_queue_depth", model="idle", version="2") is None

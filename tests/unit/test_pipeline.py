@@ -18,7 +18,7 @@ from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 from gpuserve.errors import OutOfMemoryError
 
 WAIT_S = 10.0  # only reached when the overlap under test is missing

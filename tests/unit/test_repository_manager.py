@@ -27,7 +27,7 @@ async def infer(manager, name="versioned", version=None, rid=None, start=0.0) ->
         mv = manager.split(mv, rid)
     x = np.arange(16, dtype=np.float32)[None] + start
     request = InferenceRequest(name, version, {"INPUT0": x}, id=rid)
-    response = await mv.scheduler.infer(request)
+    response = await mv.runner.infer(request)
     return int(response.outputs["OUTPUT0"][0, 0] - x[0, 0])
 
 
@@ -251,11 +251,11 @@ def test_unload_runs_the_backend_unload_and_drops_every_reference(tmp_path):
         manager = ModelManager(repo, control_mode="explicit", load_models=["versioned"])
         await manager.load_all()
         mv = manager.version("versioned", None)
-        backend = mv.scheduler.instances[0].backend
+        backend = mv.runner.instances[0].backend
         user_model = backend.model
         ref = weakref.ref(user_model)
         await manager.unload("versioned")
-        assert user_model.unloaded and backend.model is None and mv.scheduler is None
+        assert user_model.unloaded and backend.model is None and mv.runner is None
         return user_model, ref, manager
 
     user_model, ref, _manager = run(main())

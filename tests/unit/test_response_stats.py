@@ -203,7 +203,7 @@ class FakeScheduler:
             outputs=[{"name": "Y", "datatype": "INT32", "shape": [1]}],
             model_transaction_policy={"decoupled": True},
         )
-        self.core = type("Core", (), {"accepting": True})()
+        self.accepting = True
         self.instances = [type("I", (), {"backend": backend, "name": "m_0"})()]
         self.stats = ModelStats("m", "1")
 
@@ -230,7 +230,9 @@ def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns(
         clock = Clock()
         backend = GatedBackend(clock, count=2)
         scheduler = FakeScheduler(backend)
-        executor = DecoupledExecutor(scheduler, asyncio.get_running_loop(), clock=clock)
+        executor = DecoupledExecutor(
+            scheduler, scheduler.config, "1", False, asyncio.get_running_loop(), clock=clock
+        )
         request = InferenceRequest("m", None, {"X": np.zeros(1, np.int32)})
         job = executor.open(request, 1)
         first = await job.channel.get()
@@ -262,7 +264,9 @@ def test_a_request_that_never_ran_counts_no_response():
         clock = Clock()
         busy = GatedBackend(clock, count=0)
         scheduler = FakeScheduler(busy)
-        executor = DecoupledExecutor(scheduler, asyncio.get_running_loop(), clock=clock)
+        executor = DecoupledExecutor(
+            scheduler, scheduler.config, "1", False, asyncio.get_running_loop(), clock=clock
+        )
         running = executor.open(InferenceRequest("m", None, {"X": np.zeros(1, np.int32)}), 1)
         queued = executor.open(
             InferenceRequest("m", None, {"X": np.zeros(1, np.int32)}, timeout_us=1000), 1

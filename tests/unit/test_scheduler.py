@@ -19,7 +19,7 @@ from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 from gpuserve.errors import (
     BackendError,
     OverloadedError,
@@ -218,7 +218,8 @@ def test_one_timer_is_armed_at_the_cores_next_wakeup():
     now = [100.0]
 
     async def main():
-        scheduler = ModelScheduler(make_config(max_queue_delay_us=50_000), "1", lambda: now[0])
+        config = make_config(max_queue_delay_us=50_000)
+        scheduler = ModelScheduler(config, "1", clock=lambda: now[0])
         backend = Doubler()
         backend.gate.clear()
         context = LoadContext(config=scheduler.config, version_path=Path("."), version=1)

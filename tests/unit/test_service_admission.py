@@ -12,7 +12,7 @@ import pytest
 
 from gpuserve.config import ModelConfig, ServerConfig, TensorSpec
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 from gpuserve.errors import (
     InvalidInputError,
     ModelNotFoundError,
@@ -44,8 +44,8 @@ class BusyInstance:
 def version(number: int, max_batch_size: int) -> ModelVersion:
     cfg = config(max_batch_size)
     mv = ModelVersion("m", number, Path(f"/repo/m/{number}"), cfg, state=VersionState.READY)
-    mv.scheduler = ModelScheduler(cfg, str(number))
-    mv.scheduler.instances = [BusyInstance()]  # healthy, never dispatching
+    mv.runner = ModelScheduler(cfg, str(number))
+    mv.runner.instances = [BusyInstance()]  # healthy, never dispatching
     return mv
 
 
@@ -127,16 +127,16 @@ def test_a_decode_failure_is_counted_on_the_routed_version(canaried):
     service, one, two = canaried
     with pytest.raises(InvalidInputError, match="max_batch_size 2"):
         service.admit("m", None, SpyWire(fail="decode"))
-    assert two.scheduler.stats.fail.count == 1
-    assert one.scheduler.stats.fail.count == 0
+    assert two.runner.stats.fail.count == 1
+    assert one.runner.stats.fail.count == 0
 
 
 def test_an_unreadable_id_is_counted_on_the_resolved_version(canaried):
     service, one, two = canaried
     with pytest.raises(InvalidInputError, match="'id'"):
         service.admit("m", None, SpyWire(fail="id"))
-    assert one.scheduler.stats.fail_reasons["invalid"] == 1
-    assert two.scheduler.stats.fail.count == 0
+    assert one.runner.stats.fail_reasons["invalid"] == 1
+    assert two.runner.stats.fail.count == 0
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_refusals_before_any_version_are_counted_unrouted(canaried, name, label,
     service, one, two = canaried
     with pytest.raises(error):
         service.admit(name, label, SpyWire())
-    assert one.scheduler.stats.fail.count == two.scheduler.stats.fail.count == 0
+    assert one.runner.stats.fail.count == two.runner.stats.fail.count == 0
     if name == "nope":
         assert unrouted(service, "not_found") == 1
 
@@ -169,7 +169,7 @@ def test_while_shutting_down_new_requests_are_refused_and_counted(canaried):
     assert not service.is_ready()
     with pytest.raises(UnavailableError, match="shutting down"):
         service.admit("m", None, SpyWire())
-    assert two.scheduler.stats.fail_reasons["unavailable"] == 1
+    assert two.runner.stats.fail_reasons["unavailable"] == 1
 
 
 def test_the_cancellation_probe_reaches_the_request_and_submit_queues_it(canaried):
@@ -183,10 +183,10 @@ def test_the_cancellation_probe_reaches_the_request_and_submit_queues_it(canarie
     assert admission.rows == 1 and admission.shapes() == {"X": [1, 2]}
 
     async def queue_it() -> None:
-        two.scheduler.attach([BusyInstance()], asyncio.get_running_loop())
+        two.runner.attach([BusyInstance()], asyncio.get_running_loop())
         future = service.submit(admission)
         assert not future.done()
-        assert two.scheduler.in_flight_requests == 1
+        assert two.runner.in_flight_requests == 1
 
     asyncio.run(queue_it())
 

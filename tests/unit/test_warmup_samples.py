@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuserve.backends.base import Backend, LoadContext
+from gpuserve.backends.base import Backend, Capabilities, LoadContext
 from gpuserve.config import parse_model_config
 from gpuserve.config.warmup import WarmupInput, WarmupSample, WarmupTarget, warmup_problem
 from gpuserve.datatypes import numpy_dtype
@@ -405,6 +405,9 @@ def test_a_sample_that_fails_fails_the_start_naming_it():
     assert done == [] and backend.log[-1] == ("unload", ())  # what the load took is released
 
 
+STREAMS = Capabilities(streams=True)
+
+
 class Streams(Recorder):
     """A decoupled backend: ``how`` says what each ``stream`` call does."""
 
@@ -429,12 +432,12 @@ class Streams(Recorder):
 def test_a_decoupled_sample_streams_each_request_until_its_final_response():
     sample = WarmupBatch("s", {"IN": np.array([[1, 2]])}, requests=2, runs=1, batched=True)
     ok = Streams("ok")
-    assert stream_sample(ok, sample, "m") is None and ok.seen == [[[1, 2]], [[1, 2]]]
+    assert stream_sample(ok, STREAMS, sample, "m") is None and ok.seen == [[[1, 2]], [[1, 2]]]
     for how, message in (("raise", "stream broke"), ("error", "bad response")):
         backend = Streams(how)
-        error = stream_sample(backend, sample, "m")
+        error = stream_sample(backend, STREAMS, sample, "m")
         assert isinstance(error, ValueError) and str(error) == message
         assert len(backend.seen) == 1  # the first failure ends the sample
-    error = stream_sample(Streams("silent"), sample, "m", timeout_s=0.0)
+    error = stream_sample(Streams("silent"), STREAMS, sample, "m", timeout_s=0.0)
     assert isinstance(error, BackendError)
     assert error.message == "model 'm' sent no final response within 0 s"

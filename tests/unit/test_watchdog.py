@@ -19,7 +19,7 @@ from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.batching import ModelScheduler
 from gpuserve.errors import BackendError
 
 

@@ -23,7 +23,7 @@ batching, on the server's admission threads, it measures the request and may cut
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,62 @@ class Admitted:
 AdmissionStep = Callable[[dict[str, np.ndarray]], Admitted]
 
 
+#: A model's token counter: texts -> tokens of each (special tokens included, after truncation).
+TokenCounter = Callable[[Sequence[str]], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What one loaded backend can do, declared once after load (:meth:`Backend.capabilities`).
+
+    The engine reads this record once per version at load, when it picks the version's runner
+    (:mod:`gpuserve.engine.runners`); nothing asks a backend again per request.
+
+    Attributes:
+        streams: :meth:`Backend.stream` runs one request as a stream of responses (decoupled).
+        streams_batches: :meth:`Backend.stream_batch` runs several such requests in one call.
+        reads_row_ids: Batches carry each row's sequence id as
+            :data:`~gpuserve.backends.correlation.CORRELATION_INPUT` (Triton Python models
+            read ``request.correlation_id()``).
+        unpadded: Batches of variable-length rows run without padding (packed sequences):
+            the batcher does not group by length and counts real tokens.
+        takes_tensors: ``preprocess`` also takes ``torch.Tensor`` inputs (ensemble hand-off).
+        gives_tensors: ``postprocess_tensors`` leaves outputs as device tensors.
+        admission: The per-request admission step (:meth:`Backend.admission`), or None.
+        count_tokens: Counts the tokens of texts as the model would (the OpenAI route's usage
+            and token budgets), or None.
+    """
+
+    streams: bool = False
+    streams_batches: bool = False
+    reads_row_ids: bool = False
+    unpadded: bool = False
+    takes_tensors: bool = False
+    gives_tensors: bool = False
+    admission: AdmissionStep | None = None
+    count_tokens: TokenCounter | None = None
+
+    @classmethod
+    def common(cls, each: Sequence[Capabilities]) -> Capabilities:
+        """What every one of a version's instances can do (flags: all of them; hooks: the
+        first instance's, since every instance runs the same model). No instance: nothing."""
+        if not each:
+            return cls()
+        first = each[0]
+        if len(each) == 1:
+            return first
+        return cls(
+            streams=all(c.streams for c in each),
+            streams_batches=all(c.streams_batches for c in each),
+            reads_row_ids=all(c.reads_row_ids for c in each),
+            unpadded=all(c.unpadded for c in each),
+            takes_tensors=all(c.takes_tensors for c in each),
+            gives_tensors=all(c.gives_tensors for c in each),
+            admission=first.admission,
+            count_tokens=first.count_tokens,
+        )
+
+
 class Backend(abc.ABC):
     """One loaded copy of a model, driven by one engine instance thread.
 
@@ -173,6 +229,36 @@ class Backend(abc.ABC):
         and never touch what ``preprocess`` uses (a text model keeps its own tokenizer copy).
         """
         return None
+
+    def capabilities(self) -> Capabilities:
+        """What this loaded copy can do: asked once, after :meth:`load` (and ``warmup``).
+
+        This default declares the class attributes above and :meth:`admission`; a backend
+        that streams, counts tokens or reads row ids overrides it.
+        """
+        return Capabilities(
+            unpadded=bool(self.unpadded_batches),
+            takes_tensors=self.takes_tensors,
+            gives_tensors=self.gives_tensors,
+            admission=self.admission(),
+        )
+
+    def stream(self, inputs: dict[str, np.ndarray], sink: Any) -> None:
+        """Decoupled execution of one request: its responses go to ``sink`` (a
+        :class:`~gpuserve.backends.streaming.ResponseSink`). Only called when
+        :meth:`capabilities` declares ``streams``.
+
+        Raises:
+            BackendError: this backend cannot run decoupled models (the default).
+        """
+        raise BackendError(f"backend {type(self).__name__} cannot run decoupled models")
+
+    def stream_batch(self, calls: Sequence[Any]) -> None:
+        """Decoupled execution of several requests in one call (a list of
+        :class:`~gpuserve.backends.streaming.StreamCall`). Only called when
+        :meth:`capabilities` declares ``streams_batches``; this default runs them one by one."""
+        for call in calls:
+            self.stream(call.inputs, call.sink)
 
     @classmethod
     def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:

@@ -1,7 +1,7 @@
 """Backend name ``ensemble``: a placeholder so repository checks can ask it for its config.
 
 An ensemble has no instance: the model manager gives its versions an
-:class:`~gpuserve.engine.ensemble_scheduler.EnsembleScheduler`, which submits each step to the
+:class:`~gpuserve.engine.runners.ensemble.EnsembleRunner`, which submits each step to the
 step model's own scheduler. Only :meth:`Backend.complete_config` (inputs and outputs must be
 declared) is ever used; building an instance of it is a bug and says so.
 """

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -48,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
+from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.backends.optional import library_lock, require
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
@@ -403,7 +404,16 @@ class HuggingFaceBackend(Backend):
         request with 400 at admission). See :mod:`gpuserve.text.truncation`."""
         return self._step
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
+    def capabilities(self) -> Capabilities:
+        """Padded batches, the text tasks' admission step and token counter."""
+        return Capabilities(
+            takes_tensors=self.takes_tensors,
+            gives_tensors=self.gives_tensors,
+            admission=self._step,
+            count_tokens=self.count_tokens,
+        )
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text as :meth:`preprocess` feeds them to the model (special tokens
         included, truncated to ``max_length``, no padding): ``usage`` of ``/v1/embeddings``.
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
+from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.streaming import ResponseSink, run_generator
 from gpuserve.errors import ConfigError
@@ -145,6 +145,18 @@ class PythonBackend(Backend):
             hook = getattr(model, "admit", None)
             self._admit, self._admit_of = (hook if callable(hook) else None), model
         return self._admit
+
+    def capabilities(self) -> Capabilities:
+        """The user's ``Model`` hooks, read once at load: ``admit`` (admission step),
+        ``generate`` (decoupled), ``count_tokens``, ``unpadded_batches``."""
+        model = self.model
+        count = getattr(model, "count_tokens", None)
+        return Capabilities(
+            streams=callable(getattr(model, "generate", None)),
+            unpadded=bool(getattr(model, "unpadded_batches", False)),
+            admission=self.admission(),
+            count_tokens=count if callable(count) else None,
+        )
 
     def warmup(self) -> None:
         hook = getattr(self.model, "warmup", None)

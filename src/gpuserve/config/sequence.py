@@ -213,6 +213,10 @@ class SequenceBatchingConfig(_Section):
         control_inputs: Tensors the server fills in per row (see :class:`ControlInput`).
         states: Implicit state tensors kept by the server (see :class:`StateSpec`).
         max_queue_size: Most requests waiting (all sequences together); one more gets 429.
+        max_batch_tokens: Most padded tokens (rows x the longest row's tokens) in one batch
+            of a model whose requests carry a cost (an admission step measures them), as
+            ``dynamic_batching.max_batch_tokens``; the oldest sequence always runs. None
+            (default): 512 when every instance is on a CPU, 16384 when one is on a GPU.
     """
 
     max_sequence_idle_us: int = Field(default=1_000_000, ge=1, le=86_400_000_000)
@@ -221,6 +225,7 @@ class SequenceBatchingConfig(_Section):
     control_inputs: list[ControlInput] = Field(default_factory=list)
     states: list[StateSpec] = Field(default_factory=list)
     max_queue_size: int = Field(default=1024, ge=1)
+    max_batch_tokens: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> SequenceBatchingConfig:

@@ -42,9 +42,9 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from gpuserve.engine.batch import Batch, Pending
+from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.lengths import select_group
 from gpuserve.errors import OverloadedError
 
@@ -54,6 +54,75 @@ if TYPE_CHECKING:
 __all__ = ["Batch", "DynamicBatcher", "Pending"]  # Batch and Pending live in engine/batch.py
 
 _MIN_REGATHER_S = 0.001
+
+
+class Batcher(Protocol):
+    """The queue and batch-formation policy a scheduling core drives (one per version).
+
+    Implemented by :class:`DynamicBatcher` and by
+    :class:`~gpuserve.engine.sequence.SequenceBatcher`; each is built complete from the
+    version's config and capabilities (token budget, padding, unpadded), nothing written
+    afterwards but the adaptive policy's two live controls (``max_queue_delay_s``,
+    ``row_cap``). Times are seconds on the core's clock.
+    """
+
+    max_queue_delay_s: float
+    row_cap: int | None
+
+    def __len__(self) -> int:
+        """Requests queued."""
+        ...
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows of the queued requests."""
+        ...
+
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether a queued request has a queue deadline (``expire`` has work)."""
+        ...
+
+    @property
+    def has_cancelled(self) -> bool:
+        """Whether requests left the queue as cancelled (``take_cancelled`` has work)."""
+        ...
+
+    def add(self, item: Pending) -> None:
+        """Queue ``item``; raises OverloadedError (queue full) or InvalidInputError."""
+        ...
+
+    def remove(self, item: Pending) -> bool:
+        """Take a queued ``item`` out (its caller went away); False when not queued."""
+        ...
+
+    def expire(self, now: float) -> list[Pending]:
+        """Take out the queued requests whose deadline passed."""
+        ...
+
+    def take_cancelled(self) -> list[Pending]:
+        """The requests found cancelled (client gone) since the last call."""
+        ...
+
+    def next_batch(self, now: float) -> Batch | None:
+        """The next batch due at ``now``, or None."""
+        ...
+
+    def next_wakeup(self, can_dispatch: bool) -> float | None:
+        """When to ask again if nothing happens (None: not before the next event)."""
+        ...
+
+    def instance_freed(self, now: float, service_s: float, rows: int) -> None:
+        """A batch of ``rows`` finished after ``service_s`` seconds."""
+        ...
+
+    def ran(self, result: BatchResult, now: float) -> None:
+        """A batch finished (or failed): settle what the batcher keeps per request."""
+        ...
+
+    def drain(self) -> list[Pending]:
+        """Take out every queued request (the version unloads)."""
+        ...
 
 
 def _gone(item: Pending) -> bool:
@@ -80,9 +149,12 @@ class DynamicBatcher:
     """
 
     @classmethod
-    def for_config(cls, config: ModelConfig, max_batch_tokens: int | None = None) -> DynamicBatcher:
+    def for_config(
+        cls, config: ModelConfig, max_batch_tokens: int | None = None, unpadded: bool = False
+    ) -> DynamicBatcher:
         """The batcher of a version's ``max_batch_size`` and ``dynamic_batching`` settings
-        (``max_batch_tokens``: the token budget, None for none)."""
+        (``max_batch_tokens``: the token budget, None for none; ``unpadded``: the instances
+        run variable-length rows without padding)."""
         db = config.dynamic_batching
         return cls(
             max_batch_size=config.max_batch_size,
@@ -92,6 +164,7 @@ class DynamicBatcher:
             priority_levels=db.priority_levels,
             early_dispatch=db.early_dispatch,
             max_batch_tokens=max_batch_tokens,
+            unpadded=unpadded,
         )
 
     def __init__(
@@ -386,6 +459,9 @@ class DynamicBatcher:
                 if wake is None or due < wake:
                     wake = due
         return wake
+
+    def ran(self, result: BatchResult, now: float) -> None:
+        """Nothing is kept per request here."""
 
     def drain(self) -> list[Pending]:
         """Remove and return every queued item (shutdown/unload)."""

@@ -4,8 +4,9 @@ A Python model runs on its instance's thread; the model it calls is served by a 
 the server's event loop. :class:`InProcessCaller` (injected into the model's
 :class:`~gpuserve.backends.base.LoadContext` as ``context.caller``, used through
 ``context.infer(...)`` and Triton's ``pb_utils.InferenceRequest(...).exec()``) hops onto the
-loop with ``run_coroutine_threadsafe``, submits the request to the callee's own scheduler (so it
-batches with the callee's other traffic) and waits for its answer, never forever:
+loop with ``run_coroutine_threadsafe``, submits the request to the callee's own runner, the
+way a client's request enters it (its admission step first; it batches with the callee's
+other traffic) and waits for its answer, never forever:
 
 * a call from the event-loop thread itself is refused at once (waiting would block the loop
   that must answer it);
@@ -31,8 +32,8 @@ import numpy as np
 
 from gpuserve.config import ModelConfig
 from gpuserve.datatypes import numpy_dtype
-from gpuserve.engine.ensemble_scheduler import StepRouter
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.engine.runners.ensemble import StepRouter
 from gpuserve.errors import InvalidInputError, RequestTimeoutError
 
 #: Longest a call waits for its answer by default, seconds.
@@ -144,16 +145,18 @@ class InProcessCaller:
         name = request.model_name
         if self.router.cold(name):
             await self.router.ensure_loaded(name)
-        scheduler = self.router.scheduler(name, request.model_version)
-        check_call_inputs(scheduler.config, request.inputs)
+        runner = self.router.runner(name, request.model_version)
+        check_call_inputs(runner.config, request.inputs)
         if request.requested_outputs is not None:
-            known = [t.name for t in scheduler.config.outputs]
+            known = [t.name for t in runner.config.outputs]
             unknown = [o for o in request.requested_outputs if o not in known]
             if unknown:
                 raise InvalidInputError(
                     f"model '{name}' has no output(s) {unknown} (outputs: {known})"
                 )
-        return await scheduler.infer(request)
+        # the callee's runner, as a client's request: its admission step (token counts,
+        # the UTF-8 check, truncation), its queue, its output checks
+        return await runner.infer(request)
 
     def timeout_error(self, model: str, timeout_s: float) -> RequestTimeoutError:
         """The error of a call to ``model`` that got no answer in ``timeout_s`` seconds."""

@@ -5,7 +5,7 @@ Triton hands a Python model's ``execute`` each request with its correlation id
 it sent none), for sequence models and for every other model that receives one. gpuserve's
 backends get a batch's stacked input arrays, not its requests, so the id travels as one more
 input: at admission a request that names a ``sequence_id`` to a model whose backend reads the
-ids (``reads_correlation_ids``: Triton Python models) gets :data:`CORRELATION_INPUT`, an
+ids (``Capabilities.reads_row_ids``: Triton Python models) gets :data:`CORRELATION_INPUT`, an
 ``object`` array with the id on each of its rows (``[rows]``; ``[1]`` without batching).
 Stacking then lines the ids up with the rows (a sequence batch's filler row carries ``b""``),
 and the python backend takes the input out again before any model code sees the inputs
@@ -19,11 +19,9 @@ id reaches the backend with the request's parameters), get no such input.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 import numpy as np
 
+from gpuserve.backends.base import Capabilities
 from gpuserve.backends.correlation import CORRELATION_INPUT, sequence_id_of
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest
@@ -31,22 +29,19 @@ from gpuserve.engine.request import InferenceRequest
 __all__ = ["CORRELATION_INPUT", "add_correlation_input", "sequence_id_of", "wants_correlation_ids"]
 
 
-def wants_correlation_ids(config: ModelConfig, padded: bool, workers: Iterable[Any]) -> bool:
+def wants_correlation_ids(config: ModelConfig, padded: bool, capabilities: Capabilities) -> bool:
     """Whether requests to the model get :data:`CORRELATION_INPUT` at admission: its
-    instances' backends read the ids (``reads_correlation_ids``: Triton Python models), and
-    its requests are stacked unpadded.
+    backend reads the ids (``Capabilities.reads_row_ids``: Triton Python models), and its
+    requests are stacked unpadded.
 
     Args:
         config: The model's configuration.
         padded: Whether its variable-length inputs are padded into batches.
-        workers: Its started instances (each with a ``backend``).
+        capabilities: What its instances declared at load (all of them).
     """
     if config.model_transaction_policy.decoupled or padded:
         return False
-    backends = [getattr(worker, "backend", None) for worker in workers]
-    return bool(backends) and all(
-        bool(getattr(backend, "reads_correlation_ids", False)) for backend in backends
-    )
+    return capabilities.reads_row_ids
 
 
 def add_correlation_input(request: InferenceRequest, rows: int) -> None:

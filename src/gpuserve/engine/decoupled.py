@@ -45,16 +45,17 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from gpuserve.backends.python import to_numpy_dict
 from gpuserve.backends.streaming import StreamCall
+from gpuserve.config import ModelConfig
 from gpuserve.engine.decoupled_batching import StreamBatcher, batches_streams
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.response_stats import ResponseOutcome
-from gpuserve.engine.stats import BatchStats, RequestStats
+from gpuserve.engine.stats import BatchStats, ModelStats, RequestStats
 from gpuserve.engine.stream_buffer import ResponseChannel, StreamItem
 from gpuserve.errors import (
     BackendError,
@@ -66,7 +67,6 @@ from gpuserve.errors import (
 
 if TYPE_CHECKING:
     from gpuserve.engine.instance import Instance
-    from gpuserve.engine.scheduler import ModelScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +101,43 @@ class StreamJob:
     batched: bool = False
 
 
+class StreamHost(Protocol):
+    """What the executor needs of the version it runs for (its streaming runner)."""
+
+    @property
+    def instances(self) -> list[Instance]:
+        """The version's started instances."""
+        ...
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests are taken (False once the version unloads)."""
+        ...
+
+    @property
+    def stats(self) -> ModelStats:
+        """The version's statistics."""
+        ...
+
+    def hold(self) -> None:
+        """A stream started on an instance: the version's drain waits for it."""
+        ...
+
+    def release(self) -> None:
+        """A stream of :meth:`hold` ended."""
+        ...
+
+
 class DecoupledExecutor:
-    """Runs the decoupled requests of one model version on its scheduler's instances.
+    """Runs the decoupled requests of one model version on its instances.
 
     Args:
-        scheduler: The version's scheduler (its instances, configuration and statistics; its
-            batching queue is not used).
+        host: The version's streaming runner (its instances, statistics and drain), held
+            weakly: an unloaded version's late callbacks find nothing.
+        config: The version's configuration.
+        version: Its version number as a string.
+        streams_batches: Its backends run several streams in one call
+            (``Capabilities.streams_batches``).
         loop: The event loop consumers run on.
         clock: Monotonic clock, seconds.
 
@@ -123,18 +154,20 @@ class DecoupledExecutor:
 
     def __init__(
         self,
-        scheduler: ModelScheduler,
+        host: StreamHost,
+        config: ModelConfig,
+        version: str,
+        streams_batches: bool,
         loop: asyncio.AbstractEventLoop,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # Weakly: the service keeps executors in a WeakKeyDictionary keyed by scheduler.
-        self._scheduler = weakref.ref(scheduler)
-        self.name = scheduler.name
-        self.version = scheduler.version
-        self.config = scheduler.config
+        self._host = weakref.ref(host)
+        self.name = config.name or ""
+        self.version = version
+        self.config = config
         self.loop = loop
         self.clock = clock
-        self._busy: set[int] = set()  # indices into scheduler.instances
+        self._busy: set[int] = set()  # indices into host.instances
         self._waiting: deque[StreamJob] = deque()
         self.responses_total = 0
         self.peak_buffered = 0
@@ -142,28 +175,23 @@ class DecoupledExecutor:
         self.streaming = 0
         self._declared = {t.name for t in self.config.outputs}
         # Held directly (it references nothing): counting a response is on the hot path.
-        self._responses = scheduler.stats.responses
+        self._responses = host.stats.responses
         self.batcher: StreamBatcher[StreamJob] | None = None
-        backends = [instance.backend for instance in scheduler.instances]
-        if (
-            batches_streams(self.config)
-            and backends
-            and all(getattr(b, "streams_batches", False) for b in backends)
-        ):
+        if batches_streams(self.config) and streams_batches:
             self.batcher = StreamBatcher(self.config)
         self._timer: asyncio.TimerHandle | None = None
 
     @property
-    def scheduler(self) -> ModelScheduler:
-        """The version's scheduler.
+    def host(self) -> StreamHost:
+        """The version's runner.
 
         Raises:
             UnavailableError: the version was unloaded.
         """
-        scheduler = self._scheduler()
-        if scheduler is None:
+        host = self._host()
+        if host is None:
             raise UnavailableError(f"model '{self.name}' version {self.version} was unloaded")
-        return scheduler
+        return host
 
     @property
     def queued(self) -> int:
@@ -178,7 +206,7 @@ class DecoupledExecutor:
             OverloadedError: ``max_queue_size`` requests already wait.
         """
         policy = self.config.dynamic_batching
-        if not self.scheduler.core.accepting:
+        if not self.host.accepting:
             raise UnavailableError(f"model '{self.name}' is unloading")
         if self.queued >= policy.max_queue_size:
             raise OverloadedError(
@@ -227,7 +255,7 @@ class DecoupledExecutor:
         if self.batcher is not None:
             self._dispatch_batches(self.batcher)
             return
-        instances = self.scheduler.instances
+        instances = self.host.instances
         while self._waiting:
             index = self._free_instance(instances)
             if index is None:
@@ -250,7 +278,7 @@ class DecoupledExecutor:
         now = self.clock()
         for job in batcher.expired(now):
             self._timed_out(job)
-        instances = self.scheduler.instances
+        instances = self.host.instances
         while (index := self._free_instance(instances)) is not None:
             batch = batcher.next_batch(now)
             for job in batcher.gone():
@@ -266,7 +294,7 @@ class DecoupledExecutor:
 
     def _on_timer(self) -> None:
         self._timer = None
-        if self._scheduler() is not None:
+        if self._host() is not None:
             self._dispatch()
 
     def _start(self, jobs: list[StreamJob], instance: Instance, index: int, now: float) -> None:
@@ -294,10 +322,7 @@ class DecoupledExecutor:
         channel = job.channel
         started_s = self.clock()
         try:
-            stream = getattr(instance.backend, "stream", None)
-            if stream is None:
-                raise BackendError(f"backend '{self.config.backend}' cannot run decoupled models")
-            stream(job.request.inputs, channel)
+            instance.backend.stream(job.request.inputs, channel)
         except BaseException as err:  # the model's failure ends its stream only
             channel.send(None, final=True, error=err)
         finally:
@@ -309,7 +334,7 @@ class DecoupledExecutor:
         started_s = self.clock()
         ok = True
         try:
-            instance.backend.stream_batch(  # type: ignore[attr-defined]
+            instance.backend.stream_batch(
                 [StreamCall(job.request.inputs, job.channel) for job in jobs]
             )
         except BaseException as err:
@@ -333,12 +358,12 @@ class DecoupledExecutor:
             job.running = False
             if job.cancelled_s is not None:  # cancelled while it ran: its clean-up ends now
                 self._count_cancel(job, now - job.cancelled_s)
-        scheduler = self._scheduler()
-        if scheduler is None:
+        host = self._host()
+        if host is None:
             return
         if self.batcher is not None:  # one execution for the batch (module docstring)
             rows = sum(job.rows for job in jobs)
-            scheduler.stats.record_batch(
+            host.stats.record_batch(
                 BatchStats(self.name, self.version, rows, len(jobs), 0.0, call_s, 0.0, ok)
             )
             self.batcher.instance_freed(now, call_s, rows)
@@ -346,14 +371,14 @@ class DecoupledExecutor:
 
     def _hold(self, change: int) -> None:
         """Count a stream that runs or ran on an instance until it ends, and keep the
-        scheduler's drain (unload, shutdown) waiting for it (``ModelScheduler.hold``)."""
+        version's drain (unload, shutdown) waiting for it (``StreamHost.hold``)."""
         self.streaming += change
-        scheduler = self._scheduler()
-        if scheduler is not None:
+        host = self._host()
+        if host is not None:
             if change > 0:
-                scheduler.hold()
+                host.hold()
             else:
-                scheduler.release()
+                host.release()
 
     # -- conversions (producer thread) -----------------------------------------------------
 
@@ -425,10 +450,10 @@ class DecoupledExecutor:
             reason: str | None = outcome.reason
         else:
             reason = outcome  # None (success) or "cancelled"
-        scheduler = self._scheduler()
-        if scheduler is None:
+        host = self._host()
+        if host is None:
             return  # unloaded: its statistics went with it
-        stats = scheduler.stats
+        stats = host.stats
         name, version = self.name, self.version
         if ran and not job.batched:
             stats.record_batch(

@@ -5,7 +5,7 @@ checks of an ensemble against its step models' configurations.
 (:mod:`gpuserve.config.ensemble` has already checked the graph). :class:`EnsembleRun` is one
 request's progress: which steps may start (every tensor they consume exists), the tensors
 produced so far, and the ensemble's outputs once every step is done. Nothing here waits or
-touches a scheduler: :mod:`gpuserve.engine.ensemble_scheduler` drives it on the event loop.
+touches a scheduler: :mod:`gpuserve.engine.runners.ensemble` drives it on the event loop.
 
 Tensors are whatever the step models return, handed from step to step as they are: no copy,
 no encoding; a step output stays a ``torch.Tensor`` on its device where
@@ -221,13 +221,12 @@ def step_problems(config: ModelConfig, steps: Mapping[int, ModelConfig]) -> list
                 f"{label}: model {step.model_name!r} batches (max_batch_size="
                 f"{cfg.max_batch_size}) but the ensemble does not (max_batch_size=0)"
             )
-        policy = getattr(cfg, "model_transaction_policy", None)
-        if policy is not None and getattr(policy, "decoupled", False):
+        if cfg.model_transaction_policy.decoupled:
             problems.append(
                 f"{label}: model {step.model_name!r} is decoupled (several responses per "
                 "request); an ensemble step must answer each request once"
             )
-        if getattr(cfg, "sequence_batching", None) is not None:
+        if cfg.sequence_batching is not None:
             problems.append(
                 f"{label}: model {step.model_name!r} uses sequence_batching; sequence models "
                 "cannot be ensemble steps yet"

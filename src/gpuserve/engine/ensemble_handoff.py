@@ -27,6 +27,7 @@ from typing import Any
 from gpuserve.backends import tensors as _tensors
 from gpuserve.engine.ensemble import EnsemblePlan
 from gpuserve.engine.ensemble_stats import StepStats
+from gpuserve.engine.runners.base import VersionRunner
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,26 +90,21 @@ def _takes_on(consumer: StepPlacement | None, devices: frozenset[str]) -> bool:
     return consumer is not None and consumer.takes_tensors and consumer.devices == devices
 
 
-def placement_of(scheduler: object | None) -> StepPlacement | None:
-    """Where the step model behind ``scheduler`` runs now (None for None: not known).
+def placement_of(runner: VersionRunner | None) -> StepPlacement | None:
+    """Where the step model behind ``runner`` runs now (None for None: not known).
 
-    A scheduler without instances (an ensemble used as a step) neither gives nor takes
-    tensors; neither does a model that pads its inputs (padding works on numpy arrays).
+    A runner without instances (an ensemble used as a step) neither gives nor takes tensors;
+    neither does a model that pads its inputs (padding works on numpy arrays).
     """
-    if scheduler is None:
+    if runner is None:
         return None
-    instances = list(getattr(scheduler, "instances", None) or ())
-    if not instances:
+    if not runner.instances:
         return StepPlacement()
-    padded = getattr(getattr(scheduler, "core", None), "padding", None) is not None
-    backends = [getattr(instance, "backend", None) for instance in instances]
-    devices = frozenset(
-        str(getattr(getattr(instance, "context", None), "device", "?")) for instance in instances
-    )
+    capabilities = runner.capabilities
     return StepPlacement(
-        gives_tensors=not padded and all(getattr(b, "gives_tensors", False) for b in backends),
-        takes_tensors=not padded and all(getattr(b, "takes_tensors", False) for b in backends),
-        devices=devices,
+        gives_tensors=not runner.pads and capabilities.gives_tensors,
+        takes_tensors=not runner.pads and capabilities.takes_tensors,
+        devices=runner.devices,
     )
 
 
@@ -126,7 +122,7 @@ class HandoffDecision:
         self._refs: tuple[Callable[[], object] | None, ...] = ()
         self._keep: tuple[frozenset[str], ...] = ()
 
-    def keep(self, schedulers: Sequence[object | None]) -> tuple[frozenset[str], ...]:
+    def keep(self, schedulers: Sequence[VersionRunner | None]) -> tuple[frozenset[str], ...]:
         """Per step, the step outputs to keep as tensors, given each step's scheduler now
         (None: not served, or loads on demand)."""
         refs = self._refs
@@ -146,7 +142,7 @@ def host_inputs(
     index: int,
     inputs: dict[str, Any],
     tensors: dict[str, Any],
-    scheduler: object,
+    scheduler: VersionRunner,
     stats: StepStats,
 ) -> dict[str, Any]:
     """Step ``index``'s ``inputs`` (by step input name) as its model can take them now.

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpuserve.backends.base import Backend, LoadContext, RowErrors
+from gpuserve.backends.base import Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
 from gpuserve.engine.assembly import (
@@ -77,6 +77,8 @@ class Instance:
         self.on_done = on_done
         self.capacity = max(1, pipeline_depth)
         self.in_flight = 0  # batches submitted and not yet reported; counted by the scheduling core
+        #: What the loaded backend can do (``Backend.capabilities``, read once after load).
+        self.capabilities = Capabilities()
         self._outputs = OutputSpec.of(self.config)
         self._padding = PaddingSpec.of(self.config)
         self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
@@ -129,6 +131,7 @@ class Instance:
         try:
             self.backend.load(self.context)
             loaded = True
+            self.capabilities = self.backend.capabilities()  # read once, here
             self.backend.warmup()
             self._run_warmup_samples()
         except BaseException as err:  # reported to start(), which re-raises
@@ -182,7 +185,7 @@ class Instance:
 
     def _stream_sample(self, sample: WarmupBatch) -> GpuserveError | None:
         """One run of ``sample`` on a decoupled model (``stream_sample``); its error."""
-        error = stream_sample(self.backend, sample, self.config.name or "")
+        error = stream_sample(self.backend, self.capabilities, sample, self.config.name or "")
         return None if error is None else self._to_error(error)
 
     def _unload(self) -> None:

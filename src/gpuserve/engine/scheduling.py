@@ -2,8 +2,8 @@
 
 It decides everything the scheduler does and does none of the waiting: no asyncio, no threads,
 no clock of its own (every method takes ``now``, seconds on the caller's monotonic clock). A
-driver (:class:`~gpuserve.engine.scheduler.ModelScheduler` on an asyncio loop, or a test with a
-fake clock) calls it::
+driver (:class:`~gpuserve.engine.runners.batching.BatchingRunner` on an asyncio loop, or a
+test with a fake clock) calls it::
 
     item = core.admit(request, now)       # queue it, or raise (full / bad priority / closing)
     plan = core.schedule(now)             # due batches -> instances, and requests that left
@@ -40,12 +40,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Generic
 
+from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
 from gpuserve.engine.adaptive import AdaptiveBatching
 from gpuserve.engine.assembly import request_rows, shape_key
 from gpuserve.engine.batch import Batch, BatchResult, Pending
-from gpuserve.engine.batcher import DynamicBatcher
+from gpuserve.engine.batcher import Batcher, DynamicBatcher
 from gpuserve.engine.correlation import add_correlation_input, wants_correlation_ids
 from gpuserve.engine.inflight import InFlight, InFlightTable, W, Worker
 from gpuserve.engine.lengths import default_batch_tokens
@@ -53,7 +54,7 @@ from gpuserve.engine.outcomes import Completion, Hung, Outcomes, Schedule
 from gpuserve.engine.padding import PaddingSpec
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.reshape import ReshapeSpec
-from gpuserve.engine.sequence import SequenceBatcher
+from gpuserve.engine.sequence import SequenceBatch, SequenceBatcher
 from gpuserve.engine.stats import ModelStats
 from gpuserve.errors import (
     BackendError,
@@ -99,14 +100,33 @@ class SchedulerCore(Generic[W]):
             :meth:`close`).
     """
 
-    def __init__(self, config: ModelConfig, version: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        version: str,
+        capabilities: Capabilities | None = None,
+        on_gpu: bool = False,
+    ) -> None:
         self.config = config
         self.name = config.name or ""
         self.version = version
+        capabilities = capabilities or Capabilities()
         db = config.dynamic_batching
-        self.batcher = DynamicBatcher.for_config(config, db.max_batch_tokens)
-        if config.sequence_batching is not None:  # a stateful model (engine/sequence.py)
-            self.batcher = SequenceBatcher(config, lambda: self.instances)
+        #: How variable-length inputs are padded into one batch (None: they are not).
+        self.padding = PaddingSpec.of(config)
+        # The batcher is built complete: its token budget (the config's, else the device's
+        # default) and whether the instances run unpadded are known here, at load.
+        sequence = config.sequence_batching
+        tokens = db.max_batch_tokens if sequence is None else sequence.max_batch_tokens
+        if tokens is None:
+            tokens = default_batch_tokens(on_gpu)
+        self.batcher: Batcher = (
+            SequenceBatcher(config, lambda: self.instances, tokens)
+            if config.sequence_batching is not None  # a stateful model (engine/sequence.py)
+            else DynamicBatcher.for_config(config, tokens, capabilities.unpadded)
+        )
+        #: Requests with a sequence id carry it per row (Triton models' correlation_id()).
+        self._correlated = wants_correlation_ids(config, self.padding is not None, capabilities)
         self.adaptive = (
             AdaptiveBatching(
                 db.adaptive.target_p99_ms / 1e3, config.max_batch_size, db.max_queue_delay_us / 1e6
@@ -122,12 +142,8 @@ class SchedulerCore(Generic[W]):
         #: Seconds a batch may run before its instance counts as hung; None = no watchdog.
         self.execution_timeout_s: float | None = config.execution_timeout_s or None
         self._batched = config.max_batch_size > 0
-        #: How variable-length inputs are padded into one batch (None: they are not).
-        self.padding = PaddingSpec.of(config)
         #: Tensors whose reshape differs from their shape (None: none do).
         self.reshape = ReshapeSpec.of(config)
-        #: Requests with a sequence id carry it per row (Triton models' correlation_id()).
-        self._correlated = False
         self._priority_levels = db.priority_levels
         self._default_priority = db.default_priority_level
         self._default_timeout_us = db.default_timeout_us
@@ -137,21 +153,9 @@ class SchedulerCore(Generic[W]):
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def attach(self, instances: list[W], on_gpu: bool = False, unpadded: bool = False) -> None:
-        """Take ``instances`` (the list itself is kept) and start accepting requests.
-
-        Args:
-            on_gpu: Whether any instance runs on a GPU; sets the default token budget of
-                length-aware batches (``max_batch_tokens`` unset in the config).
-            unpadded: Whether the instances run batches without padding (packed
-                sequences): batches then need no length grouping and the budget counts
-                real tokens.
-        """
+    def attach(self, instances: list[W]) -> None:
+        """Take ``instances`` (the list itself is kept) and start accepting requests."""
         self.instances = instances
-        if self.config.dynamic_batching.max_batch_tokens is None:
-            self.batcher.max_batch_tokens = default_batch_tokens(on_gpu)
-        self.batcher.unpadded = unpadded
-        self._correlated = wants_correlation_ids(self.config, self.padding is not None, instances)
         self.accepting = True
 
     def add_instance(self, instance: W) -> None:
@@ -282,7 +286,8 @@ class SchedulerCore(Generic[W]):
                 if formed is None:
                     break
                 batch = formed
-                pinned = getattr(formed, "instance", None)  # a sequence batch's own instance
+                # a sequence batch runs on the instance that holds its sequences
+                pinned = formed.instance if isinstance(formed, SequenceBatch) else None
                 if pinned is not None:
                     instance = pinned
             dispatched.append(self._in_flight.add(instance, batch, now))
@@ -338,8 +343,7 @@ class SchedulerCore(Generic[W]):
         batch = result.batch
         if self._in_flight.pop(batch) is None:
             return Completion(_NONE, late=True)
-        if isinstance(self.batcher, SequenceBatcher):  # first: drops direct filler rows
-            self.batcher.ran(result, now)  # keeps state outputs, settles the sequences
+        self.batcher.ran(result, now)  # first: a sequence batcher settles its sequences
         self._outcomes.batch_ran(result)
         service_s = result.finished_s - result.started_s
         error = result.error
@@ -407,8 +411,7 @@ class SchedulerCore(Generic[W]):
         )
         finished: list[Pending] = []
         for record in batches:
-            if isinstance(self.batcher, SequenceBatcher):  # settles, drops filler rows
-                self.batcher.ran(BatchResult(record.batch, error=error, retryable=False), now)
+            self.batcher.ran(BatchResult(record.batch, error=error, retryable=False), now)
             for item in record.batch.items:
                 self._finish(item, error, 0.0, now - item.arrival_s, now)
                 finished.append(item)

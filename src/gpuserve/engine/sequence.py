@@ -57,7 +57,6 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.config.sequence import SequenceBatchingConfig
 from gpuserve.engine.batch import Batch, BatchResult, Pending
-from gpuserve.engine.batcher import DynamicBatcher
 from gpuserve.engine.inflight import Worker
 from gpuserve.engine.sequence_layout import FillerRows, drop_fillers, slot_rows
 from gpuserve.engine.sequence_slots import Live, SequenceStats, SequenceTable
@@ -112,22 +111,31 @@ def _gone(item: Pending) -> bool:
     return probe is not None and probe()
 
 
-class SequenceBatcher(DynamicBatcher):
+class SequenceBatcher:
     """Queue, slots, state and batch formation of one sequence model version.
 
-    A :class:`DynamicBatcher` by interface (the scheduling core drives either); none of the
-    dynamic batcher's queue is used.
+    A :class:`~gpuserve.engine.batcher.Batcher`, as the dynamic batcher is (the scheduling
+    core drives either).
 
     Args:
         config: The model's configuration (``sequence_batching`` set).
         instances: Returns the instances batches may go to, lane ``i`` being
             ``instances()[i % len]`` (the core's list, read at each call).
+        max_batch_tokens: Most padded tokens (rows x longest row) in a batch of requests
+            that carry costs (an admission step measured them); None = rows only. The
+            sequence that leads a batch always runs, however long.
     """
 
-    def __init__(self, config: ModelConfig, instances: Callable[[], Seq[Worker]]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        instances: Callable[[], Seq[Worker]],
+        max_batch_tokens: int | None = None,
+    ) -> None:
         seq = config.sequence_batching
         assert seq is not None
-        super().__init__(max_batch_size=config.max_batch_size, max_queue_size=seq.max_queue_size)
+        self.max_batch_tokens = max_batch_tokens
+        self.row_cap: int | None = None  # the adaptive policy's control (unused here)
         self.config: SequenceBatchingConfig = seq
         self.model = config.name or ""
         self.instances = instances
@@ -166,7 +174,7 @@ class SequenceBatcher(DynamicBatcher):
         self._next_lane = 0
         self._flag_arrays: dict[tuple[str, bool], np.ndarray] = {}
 
-    # -- the DynamicBatcher interface ----------------------------------------------------------
+    # -- the Batcher interface ----------------------------------------------------------
 
     def __len__(self) -> int:
         """Requests queued (not running)."""
@@ -418,6 +426,8 @@ class SequenceBatcher(DynamicBatcher):
         lead = min(ready, key=lambda s: s.queue[0].arrival_s)
         key = self._key(lead)
         group = [s for s in ready if self._key(s) == key][: self.max_batch_size]
+        if self.max_batch_tokens is not None and lead.queue[0].length:
+            group = self._within_budget(group, lead, self.max_batch_tokens)
         if not self._due(group, lead, now):
             return None
         items: list[Pending] = []
@@ -432,6 +442,25 @@ class SequenceBatcher(DynamicBatcher):
             by_slot = {live.slot: item for live, item in zip(group, items, strict=True)}
             items = slot_rows(by_slot, filler, now)
         return SequenceBatch(items, sum(i.rows for i in items), now, instance=worker, lane=lane)
+
+    def _within_budget(self, group: list[Live], lead: Live, budget: int) -> list[Live]:
+        """The sequences of ``group`` whose next requests fit ``budget`` padded tokens
+        together (rows x longest row), the lead first and always; slot order kept."""
+        kept = [lead]
+        rows, longest = lead.queue[0].rows, lead.queue[0].length
+        for live in group:
+            if live is lead:
+                continue
+            head = live.queue[0]
+            grown, widest = rows + head.rows, max(longest, head.length)
+            if grown * widest > budget:
+                continue
+            kept.append(live)
+            rows, longest = grown, widest
+        if len(kept) == len(group):
+            return group
+        order = {id(live): i for i, live in enumerate(group)}
+        return sorted(kept, key=lambda live: order[id(live)])
 
     def _due(self, group: list[Live], lead: Live, now: float) -> bool:
         if self.delay_s == 0 or len(group) >= self.max_batch_size:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import Backend
+from gpuserve.backends.base import Backend, Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.config.warmup import (
     WARMUP_FOLDER,
@@ -136,13 +136,18 @@ class WarmupSink:
 
 
 def stream_sample(
-    backend: Backend, sample: WarmupBatch, model: str, timeout_s: float = FINAL_TIMEOUT_S
+    backend: Backend,
+    capabilities: Capabilities,
+    sample: WarmupBatch,
+    model: str,
+    timeout_s: float = FINAL_TIMEOUT_S,
 ) -> BaseException | None:
     """One run of ``sample`` on a decoupled model: each of its requests alone through
     ``backend.stream`` (on this thread), waited for until its final response.
 
     Args:
         backend: The loaded backend.
+        capabilities: What it declared at load.
         sample: The sample.
         model: The model's name, for errors.
         timeout_s: Longest wait for one request's final response, seconds.
@@ -150,9 +155,9 @@ def stream_sample(
     Returns:
         The first error (raised by ``stream`` or sent as a response), or None.
     """
-    stream = getattr(backend, "stream", None)
-    if stream is None:
+    if not capabilities.streams:
         return BackendError(f"model '{model}': its backend cannot run decoupled models")
+    stream = backend.stream
     for _ in range(sample.requests):
         sink = WarmupSink()
         try:

@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from gpuserve.engine.scheduler import ModelScheduler
+    from gpuserve.engine.runners.base import VersionRunner
 
 
 class SchedulerCollector(Collector):
@@ -25,7 +25,7 @@ class SchedulerCollector(Collector):
         schedulers: Returns the schedulers of the loaded versions (called per scrape).
     """
 
-    def __init__(self, schedulers: Callable[[], Iterable[ModelScheduler]]) -> None:
+    def __init__(self, schedulers: Callable[[], Iterable[VersionRunner]]) -> None:
         self.schedulers = schedulers
 
     def describe(self) -> list[Metric]:
@@ -50,8 +50,7 @@ class SchedulerCollector(Collector):
         for _ in range(3):  # a version loading mid-scrape changes the dicts; try again
             try:
                 rows = [
-                    (s.name, s.version, len(s.batcher), s.in_flight_requests)
-                    for s in self.schedulers()
+                    (s.name, s.version, s.queued, s.in_flight_requests) for s in self.schedulers()
                 ]
                 break
             except RuntimeError:

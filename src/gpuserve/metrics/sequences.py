@@ -69,7 +69,8 @@ class SequenceCollector(Collector):
                 rows = [
                     (s.name, s.version, read())
                     for s in self.schedulers()
-                    if (read := getattr(s.batcher, "sequence_stats", None)) is not None
+                    if (read := getattr(getattr(s, "batcher", None), "sequence_stats", None))
+                    is not None
                 ]
                 break
             except RuntimeError:
@@ -96,7 +97,7 @@ def manager_schedulers(manager: Any) -> Callable[[], Iterable[Any]]:
     def schedulers() -> Iterator[Any]:
         for model in list(manager.models.values()):
             for mv in list(model.versions.values()):
-                if mv.scheduler is not None:
-                    yield mv.scheduler
+                if mv.runner is not None:
+                    yield mv.runner
 
     return schedulers

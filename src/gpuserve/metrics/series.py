@@ -65,7 +65,7 @@ from gpuserve.metrics.residency import ResidencySeries, ResidentCollector
 from gpuserve.metrics.triton import TritonGpuCollector, TritonModelCollector
 
 if TYPE_CHECKING:
-    from gpuserve.engine.scheduler import ModelScheduler
+    from gpuserve.engine.runners.base import VersionRunner
     from gpuserve.repository.manager import ModelManager
     from gpuserve.repository.ondemand import ResidencyEvent
 
@@ -275,7 +275,7 @@ class ServerMetrics:
 
     # -- subscription ----------------------------------------------------------------------
 
-    def watch(self, scheduler: ModelScheduler) -> None:
+    def watch(self, scheduler: VersionRunner) -> None:
         """Subscribe to the stats events of ``scheduler`` (idempotent) and create its
         series at zero, so a version shows in ``/metrics`` as soon as it is loaded."""
         if self.on_event in scheduler.stats.listeners:
@@ -285,8 +285,8 @@ class ServerMetrics:
 
     def watch_version(self, model_version: Any) -> None:
         """:class:`~gpuserve.repository.manager.ModelManager` hook: a version was loaded."""
-        if model_version.scheduler is not None:
-            self.watch(model_version.scheduler)
+        if model_version.runner is not None:
+            self.watch(model_version.runner)
 
     def on_residency(self, event: ResidencyEvent) -> None:
         """:class:`~gpuserve.repository.ondemand.OnDemand` hook: a model loaded on demand or
@@ -355,10 +355,10 @@ class ServerMetrics:
             self.gpu.close()
 
 
-def _schedulers(manager: ModelManager) -> Iterable[ModelScheduler]:
+def _schedulers(manager: ModelManager) -> Iterable[VersionRunner]:
     # list() copies in one step under the GIL: a scrape from the metrics-port thread must not
     # iterate dicts that the event loop may be changing (a version loading or unloading).
     for model in list(manager.models.values()):
         for mv in list(model.versions.values()):
-            if mv.scheduler is not None:
-                yield mv.scheduler
+            if mv.runner is not None:
+                yield mv.runner

@@ -5,7 +5,7 @@ loading (all models load in parallel at start), loads one that is not loaded in 
 mode (as Triton loads an ensemble's dependencies), and leaves one that loads on demand to the
 first request that needs it. Then it checks the ensemble against the configurations its steps
 are served with (:func:`~gpuserve.engine.ensemble.step_problems`) and attaches an
-:class:`~gpuserve.engine.ensemble_scheduler.EnsembleScheduler`. Any problem marks the version
+:class:`~gpuserve.engine.runners.ensemble.EnsembleRunner`. Any problem marks the version
 failed with a reason naming the file, the step, the field and the value.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from gpuserve.config import ModelConfig
 from gpuserve.engine.ensemble import step_problems
-from gpuserve.engine.ensemble_scheduler import EnsembleScheduler
+from gpuserve.engine.runners.factory import build_ensemble_runner
 from gpuserve.errors import ConfigError, GpuserveError
 from gpuserve.repository.state import Model, ModelVersion, VersionState
 
@@ -44,18 +44,17 @@ async def load_ensemble(
             raise ConfigError(
                 f"{_config_file(mv)}: the ensemble does not fit its steps: " + "; ".join(problems)
             )
-        scheduler = EnsembleScheduler(mv.config, str(mv.version), manager)
+        runner = build_ensemble_runner(mv.config, str(mv.version), manager, loop)
     except GpuserveError as err:
         mv.state = VersionState.FAILED
         mv.reason = f"failed to load: {err.message}"
         logger.error("model %s version %d %s", mv.model, mv.version, mv.reason)
         return
-    scheduler.attach_loop(loop)
-    mv.scheduler = scheduler
+    mv.runner = runner
     for listener in listeners:
         listener(mv)
     mv.state = VersionState.READY
-    steps = ", ".join(s.model for s in scheduler.plan.steps)
+    steps = ", ".join(s.model for s in runner.plan.steps)
     logger.info("model %s version %d ready: ensemble of %s", mv.model, mv.version, steps)
 
 

@@ -345,7 +345,7 @@ async def stop_all(models: Mapping[str, Model], drain_timeout_s: float) -> None:
     closing = []
     for model in list(models.values()):
         for mv in list(model.versions.values()):
-            if mv.scheduler is not None:
+            if mv.runner is not None:
                 mv.state = VersionState.UNLOADING
                 closing.append(stop_version(mv, drain_timeout_s))
     await asyncio.gather(*closing)

@@ -1,7 +1,8 @@
 """Loading, health and stopping of one model version (the manager decides when).
 
-``load_version`` completes a version's config from its model file, starts its instances (with
-a respawn hook for the scheduler's watchdog) and marks it READY or failed; ``stop_version``
+``load_version`` completes a version's config from its model file, starts its instances, picks
+its runner (:func:`gpuserve.engine.runners.factory.build_runner`, with a respawn hook for the
+watchdog) and marks it READY or failed; ``stop_version``
 drains and unloads it; ``serving`` refuses a version whose instances are all being replaced.
 """
 
@@ -13,10 +14,12 @@ from collections.abc import Callable
 
 from gpuserve.backends import backend_class, create_backend
 from gpuserve.backends.base import LoadContext
+from gpuserve.engine.admission import AdmissionPool
+from gpuserve.engine.batch import BatchResult
 from gpuserve.engine.calls import InProcessCaller
-from gpuserve.engine.ensemble_scheduler import StepRouter
 from gpuserve.engine.instance import Instance, resolve_pipeline_depth
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.ensemble import StepRouter
+from gpuserve.engine.runners.factory import BatchRelay, build_runner
 from gpuserve.errors import ModelNotReadyError
 from gpuserve.repository.devices import instance_devices
 from gpuserve.repository.state import ModelVersion, VersionState
@@ -31,27 +34,44 @@ async def load_version(
     mv: ModelVersion,
     listeners: list[Callable[[ModelVersion], None]],
     router: StepRouter | None = None,
+    admission_pool: AdmissionPool | None = None,
 ) -> None:
-    """Complete the config, build and start every instance of ``mv``, then mark it READY; on
-    failure stop what started and mark it failed with the reason (raises no Exception).
-    ``router`` (the manager) lets its models call other models (``LoadContext.infer``)."""
+    """Complete the config, build and start every instance of ``mv``, pick its runner from
+    the config and the instances' capabilities, then mark it READY; on failure stop what
+    started and mark it failed with the reason (raises no Exception). ``router`` (the
+    manager) lets its models call other models (``LoadContext.infer``)."""
     loop = asyncio.get_running_loop()
     caller = InProcessCaller(router, loop, mv.model) if router is not None else None
     started = loop.time()
     instances: list[Instance] = []
+    relay = BatchRelay()
     try:
         # The backend completes the config from this version's model file (or checks it
-        # against it) before anything is built, so the scheduler, the protocol and the
+        # against it) before anything is built, so the runner, the protocol and the
         # config endpoints all see the completed config.
         complete = backend_class(mv.config.backend).complete_config
         mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
-        scheduler = ModelScheduler(mv.config, str(mv.version))
         for index, device in enumerate(instance_devices(mv.config)):
             instances.append(
-                await loop.run_in_executor(
-                    None, start_instance, mv, scheduler, index, device, caller
-                )
+                await loop.run_in_executor(None, start_instance, mv, relay, index, device, caller)
             )
+
+        async def respawn(dead: Instance) -> Instance:
+            """Replacement for an instance the runner's watchdog found hung."""
+            ctx = dead.context
+            return await loop.run_in_executor(
+                None, start_instance, mv, relay, ctx.instance_index, ctx.device, caller
+            )
+
+        runner = build_runner(
+            mv.config,
+            str(mv.version),
+            instances,
+            loop,
+            relay,
+            admission_pool=admission_pool,
+            respawn=respawn,
+        )
     except BaseException as err:
         for instance in instances:
             await loop.run_in_executor(None, instance.stop)
@@ -61,38 +81,30 @@ async def load_version(
         if not isinstance(err, Exception):
             raise
         return
-
-    async def respawn(dead: Instance) -> Instance:
-        """Replacement for an instance the scheduler's watchdog found hung."""
-        ctx = dead.context
-        return await loop.run_in_executor(
-            None, start_instance, mv, scheduler, ctx.instance_index, ctx.device, caller
-        )
-
-    scheduler.attach(instances, loop, respawn)
-    mv.scheduler = scheduler
+    mv.runner = runner
     for listener in listeners:
         listener(mv)
     mv.state = VersionState.READY
     logger.info(
-        "model %s version %d ready: %d instance(s) on %s, loaded in %.2f s",
+        "model %s version %d ready: %d instance(s) on %s (%s runner), loaded in %.2f s",
         mv.model,
         mv.version,
         len(instances),
         ", ".join(i.context.device for i in instances),
+        runner.kind,
         loop.time() - started,
     )
 
 
 def start_instance(
     mv: ModelVersion,
-    scheduler: ModelScheduler,
+    on_done: Callable[[BatchResult], None],
     index: int,
     device: str,
     caller: InProcessCaller | None = None,
 ) -> Instance:
     """Build, load and warm up instance ``index`` of ``mv`` on ``device`` (blocking);
-    ``caller`` lets the model call other models."""
+    ``on_done`` takes its batch results, ``caller`` lets the model call other models."""
     context = LoadContext(
         config=mv.config,
         version_path=mv.path,
@@ -106,7 +118,7 @@ def start_instance(
         f"{mv.model}:{mv.version}#{index}",
         create_backend(mv.config.backend),
         context,
-        scheduler.on_batch_done,
+        on_done,
         pipeline_depth=resolve_pipeline_depth(mv.config, device),
     )
     instance.start()
@@ -116,34 +128,33 @@ def start_instance(
 async def stop_version(mv: ModelVersion, timeout_s: float) -> None:
     """Drain ``mv`` (its queued and running requests finish, up to ``timeout_s``), stop
     its instances (each backend's ``unload`` runs) and drop the references to them."""
-    scheduler = mv.scheduler
-    if scheduler is None:
+    runner = mv.runner
+    if runner is None:
         return
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     # The route no longer leads here; requests already admitted finish. Polling the
     # count (not closing at once) lets a request that looked the route up just before the
     # switch still be admitted.
-    while scheduler.in_flight_requests > 0 and loop.time() < deadline:
+    while runner.in_flight_requests > 0 and loop.time() < deadline:
         await asyncio.sleep(_DRAIN_POLL_S)
     await asyncio.sleep(_DRAIN_POLL_S)
-    await scheduler.close(max(0.0, deadline - loop.time()))
-    scheduler.instances = []
-    mv.scheduler = None
+    await runner.close(max(0.0, deadline - loop.time()))
+    mv.runner = None
     logger.info("model %s version %d unloaded", mv.model, mv.version)
 
 
 def serving(mv: ModelVersion) -> ModelVersion:
-    """``mv``, unless every instance of it is being replaced after a hang (BC-22), or it is
-    an ensemble one of whose steps is not served (its scheduler's ``unhealthy_reason``).
+    """``mv``, unless its runner cannot take requests now: every instance of it is being
+    replaced after a hang, or it is an ensemble one of whose steps is not served.
 
     Raises:
-        ModelNotReadyError: no instance can run batches until a replacement has loaded.
+        ModelNotReadyError: it cannot take requests until that changes.
     """
-    if mv.scheduler is not None and not mv.scheduler.healthy:
-        why = getattr(mv.scheduler, "unhealthy_reason", None)
+    runner = mv.runner
+    if runner is not None and not runner.healthy:
         raise ModelNotReadyError(
             f"model '{mv.model}' version {mv.version} is not ready: "
-            + (why or "its instance is being restarted after it stopped responding")
+            + (runner.unhealthy_reason or "its instance is being restarted")
         )
     return mv

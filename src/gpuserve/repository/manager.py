@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpuserve.config import ServerConfig
+from gpuserve.engine.admission import AdmissionPool
 from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.repository import rollout
 from gpuserve.repository.ensemble_loading import load_ensemble
@@ -44,7 +45,7 @@ ControlMode = Literal["none", "explicit", "poll"]
 class ModelManager(Router):
     """Owns every model version: loads, routes, swaps, drains and unloads them.
 
-    The request path (``model``, ``version``, ``split``, ``scheduler``, ``is_ready``) is
+    The request path (``model``, ``version``, ``split``, ``runner``, ``is_ready``) is
     :class:`~gpuserve.repository.router.Router`'s.
 
     Args:
@@ -79,8 +80,11 @@ class ModelManager(Router):
         limits: Limits | None = None,
         idle_unload_s: float = 0.0,
         model_load_timeout_s: float = 120.0,
+        admission_pool: AdmissionPool | None = None,
     ) -> None:
         super().__init__({}, strict_readiness=strict_readiness)
+        #: The admission threads every loaded version's runner shares (None: steps inline).
+        self.admission_pool = admission_pool
         self.ready_when_empty = load_on_demand
         self.repository = repository
         self.control_mode = control_mode
@@ -121,6 +125,9 @@ class ModelManager(Router):
             limits=Limits(config.max_loaded_models, config.loaded_models_memory_bytes),
             idle_unload_s=config.idle_unload_s,
             model_load_timeout_s=config.model_load_timeout_s,
+            admission_pool=AdmissionPool(
+                config.admission_workers, config.admission_queue, config.admission_inline_bytes
+            ),
         )
 
     # -- start, poll, stop -----------------------------------------------------------------
@@ -450,7 +457,9 @@ class ModelManager(Router):
         if mv.config.ensemble is not None:  # steps run on other models' schedulers
             await load_ensemble(mv, self.version_listeners, self)
             return
-        await load_version(mv, self.version_listeners, router=self)
+        await load_version(
+            mv, self.version_listeners, router=self, admission_pool=self.admission_pool
+        )
 
     def _require_explicit(self, action: str) -> None:
         if self.control_mode != "explicit":

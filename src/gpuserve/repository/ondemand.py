@@ -215,8 +215,8 @@ class OnDemand:
             instances = [
                 instance
                 for mv in model.versions.values()
-                if mv.scheduler is not None
-                for instance in mv.scheduler.instances
+                if mv.runner is not None
+                for instance in mv.runner.instances
             ]
             devices = [instance.context.device for instance in instances]
             ok = model.route.default is not None
@@ -380,9 +380,9 @@ class OnDemand:
         seconds; read from its statistics, so the request path pays nothing for it)."""
         last_ms = max(
             (
-                mv.scheduler.stats.last_inference_ms
+                mv.runner.stats.last_inference_ms
                 for mv in list(model.versions.values())
-                if mv.scheduler is not None
+                if mv.runner is not None
             ),
             default=0,
         )
@@ -394,7 +394,7 @@ class OnDemand:
         for mv in list(model.versions.values()):
             if mv.state is not VersionState.READY:
                 return True
-            if mv.scheduler is not None and mv.scheduler.in_flight_requests:
+            if mv.runner is not None and mv.runner.in_flight_requests:
                 return True
         return False
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NoReturn
 
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ModelNotFoundError, ModelNotReadyError
 from gpuserve.repository.loading import serving
 from gpuserve.repository.report import model_status
@@ -125,11 +125,11 @@ class Router:
         chosen = route.pick(request_id())
         return chosen if chosen is not None and chosen.state is VersionState.READY else mv
 
-    def scheduler(self, name: str, version: str | None) -> ModelScheduler:
-        """The scheduler of the version serving ``name`` (see :meth:`version`)."""
-        scheduler = self.version(name, version).scheduler
-        assert scheduler is not None
-        return scheduler
+    def runner(self, name: str, version: str | None) -> VersionRunner:
+        """The runner of the version serving ``name`` (see :meth:`version`)."""
+        runner = self.version(name, version).runner
+        assert runner is not None
+        return runner
 
     def is_ready(self) -> bool:
         """Server readiness (rule in the module docstring)."""
@@ -148,10 +148,10 @@ class Router:
     def in_flight(self) -> int:
         """Requests queued or running in every loaded version."""
         return sum(
-            mv.scheduler.in_flight_requests
+            mv.runner.in_flight_requests
             for model in list(self.models.values())
             for mv in list(model.versions.values())
-            if mv.scheduler is not None
+            if mv.runner is not None
         )
 
 

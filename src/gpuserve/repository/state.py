@@ -2,7 +2,7 @@
 
 Two things are kept apart:
 
-* the **loaded set** (:attr:`Model.versions`): each version with its state and scheduler;
+* the **loaded set** (:attr:`Model.versions`): each version with its state and runner;
 * the **route** (:attr:`Model.route`): which loaded version takes requests that name no
   version (the *default*), and optionally a *canary* with its share of them.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuserve.config import CanaryConfig, ModelConfig
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.repository.scan import Fingerprint, ModelEntry
 
 
@@ -38,7 +38,7 @@ class VersionState(enum.StrEnum):
 
 @dataclass(slots=True, eq=False)
 class ModelVersion:
-    """One version of a model and its scheduler (None until loaded, and after unloading).
+    """One version of a model and its runner (None until loaded, and after unloading).
 
     Attributes:
         model / version: Which model version.
@@ -46,7 +46,7 @@ class ModelVersion:
         config: The config it is served with (completed by the backend at load).
         state: See :class:`VersionState`.
         reason: Why it is not READY (load error), or "".
-        scheduler: Its scheduler while loaded.
+        runner: Its runner while loaded (batching, streaming or ensemble).
         fingerprint: The version folder's content when it was loaded.
         source_config: The model configuration it was loaded from (before the backend
             completed it): a different one means the version must load again.
@@ -58,7 +58,7 @@ class ModelVersion:
     config: ModelConfig
     state: VersionState = VersionState.LOADING
     reason: str = ""
-    scheduler: ModelScheduler | None = None
+    runner: VersionRunner | None = None
     fingerprint: Fingerprint = ()
     source_config: ModelConfig | None = None
 

@@ -263,11 +263,11 @@ class RepositoryCommands:
             raise InvalidInputError(
                 f"field 'batches': expected an integer 1..1000, got {batches!r}"
             )
-        scheduler = self.manager.scheduler(name, None)
+        runner = self.manager.runner(name, None)
         directory = self.trace_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        scheduler.start_trace(batches, directory)
+        runner.start_trace(batches, directory)
         logger.info("repository API: trace %s for %d batch(es) into %s", name, batches, directory)
-        return TraceView(name, scheduler.version, batches, directory.name)
+        return TraceView(name, runner.version, batches, directory.name)
 
     def close(self) -> None:
         """Remove the temporary folders of models loaded from a request's files (at

@@ -4,8 +4,8 @@
 :class:`~gpuserve.config.EmbeddingConfig`, or the automatic case of the ``huggingface``
 backend's ``feature-extraction`` task) into an :class:`EmbeddingSpec`: the tensors that carry
 the text (or token ids) and the embedding, the widths it may be cut to, and where token counts
-come from. :func:`model_counter` finds a version's ``count_tokens(texts) -> list[int]`` (on its
-backend, or on the class a ``python`` backend wraps) and :func:`count_pool` is the small
+come from. :func:`model_counter` gives a version's ``count_tokens(texts) -> list[int]`` (as its
+backend declared it at load) and :func:`count_pool` is the small
 thread pool long calls are counted on (see :mod:`gpuserve.service.embeddings`).
 """
 
@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
+from gpuserve.backends.base import TokenCounter as _TokenCounter
 from gpuserve.backends.huggingface import FEATURE_EXTRACTION, TEXT_INPUT
 from gpuserve.config import EmbeddingConfig, ModelConfig, embedding_problem
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ConfigError, InvalidInputError
 
 #: Threads of the token-count pool (shared by every model of the process).
 COUNT_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 #: Tokens per text, after the model's truncation (special tokens included).
-TokenCounter = Callable[[Sequence[str]], list[int]]
+TokenCounter = _TokenCounter
 
 
 class EmbeddingInputError(InvalidInputError):
@@ -133,23 +133,10 @@ def _resolve(config: ModelConfig) -> EmbeddingSpec | None:
     )
 
 
-#: Attributes through which a backend reaches the object that may define ``count_tokens``:
-#: the ``python`` backend's implementation (``impl``) and its user class (``model``).
-_WRAPPERS = ("impl", "model")
-
-
-def model_counter(scheduler: ModelScheduler) -> TokenCounter | None:
-    """The ``count_tokens`` of a version's backend, or of what it wraps (a ``python`` model's
-    class, reached through ``impl`` / ``model``, nearest first), or None when none has one."""
-    for instance in scheduler.instances:
-        layer = [getattr(instance, "backend", None)]
-        for _ in range(3):  # backend -> impl -> model
-            for owner in layer:
-                count = getattr(owner, "count_tokens", None)
-                if callable(count):
-                    return cast(TokenCounter, count)
-            layer = [getattr(o, name, None) for o in layer for name in _WRAPPERS if o is not None]
-    return None
+def model_counter(runner: VersionRunner) -> TokenCounter | None:
+    """The ``count_tokens`` a version's backend declared at load
+    (``Capabilities.count_tokens``: a text backend's, or a ``python`` model's own), or None."""
+    return runner.capabilities.count_tokens
 
 
 _pool: ThreadPoolExecutor | None = None

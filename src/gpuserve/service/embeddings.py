@@ -29,7 +29,7 @@ When one chunk is refused (queue full) or fails, the call fails with that error 
 chunks are dropped when their batch forms (they are not run for nobody).
 
 Token counts (``usage.prompt_tokens``) are the model's own. A model with an admission step
-(:mod:`gpuserve.service.admission`; the built-in text models) measured every chunk before it
+(:mod:`gpuserve.engine.admission`; the built-in text models) measured every chunk before it
 was queued: the count is the sum of the chunks' costs (tokens per row after truncation), with
 no second tokenisation. Otherwise the served version's backend, or a
 ``python`` model's class, declares ``count_tokens(texts: Sequence[str]) -> list[int]`` (tokens
@@ -291,8 +291,6 @@ class EmbeddingsService:
         except GpuserveError as err:
             self.service.record_unrouted(call.model, None, err.reason)
             raise
-        if self.service.cold(call.model):  # load on demand: wait for it, then admit at once
-            await self.service.ensure_loaded(call.model)
         state = _Call(is_cancelled)
         chunks = split_rows(call, self._max_rows(call.model))
         admissions: list[Admission] = []
@@ -300,11 +298,16 @@ class EmbeddingsService:
         version: str | None = None
         measured = True  # every chunk's model measures it at admission (its cost)
         try:
-            for rows in chunks:
-                admission = self.service.admit(call.model, version, call.wire(rows), state.probe)
+            for index, rows in enumerate(chunks):
+                wire = call.wire(rows)
+                admission = (  # the first loads the model on demand; the rest follow it
+                    await self.service.admit_loaded(call.model, version, wire, state.probe)
+                    if index == 0
+                    else self.service.admit(call.model, version, wire, state.probe)
+                )
                 version = admission.version  # later chunks: the version that took the first
                 admissions.append(admission)
-                measured = measured and admission.step is not None
+                measured = measured and admission.runner.capabilities.admission is not None
                 futures.append(self.service.submit(admission))
         except BaseException:
             self._abandon(state, futures)
@@ -364,7 +367,7 @@ class EmbeddingsService:
         texts = call.texts or ()
         if spec.token_counts == "none":
             return 0
-        counter = model_counter(admission.scheduler)
+        counter = model_counter(admission.runner)
         if counter is None:
             key = (admission.model, admission.version)
             if key not in self._uncounted:

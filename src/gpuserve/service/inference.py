@@ -15,26 +15,24 @@ which runs admission once, in this order:
    dropped before it runs).
 
 A model that is not loaded but loads on demand (``load_on_demand``, or a model evicted or
-unloaded when idle) is loaded first: a front end asks :meth:`InferenceService.cold` (a dict
-lookup, so a loaded model's request pays nothing more) and only then awaits
-:meth:`InferenceService.ensure_loaded` before calling :meth:`~InferenceService.admit`, with
-no await in between.
+unloaded when idle) is loaded first: a front end that awaits calls
+:meth:`InferenceService.admit_loaded`, which does both (a dict lookup when the model is
+loaded, so its request pays nothing more). The HTTP front end, which answers from a future's
+callback without a task per request, calls :meth:`~InferenceService.admit` directly and
+spawns a task on :meth:`~InferenceService.admit_loaded` only for a cold model
+(:meth:`InferenceService.cold`).
 
-For a model that declares an admission step (the built-in text models; see
-:mod:`gpuserve.service.admission`), :meth:`InferenceService.submit` and
-:meth:`InferenceService.run` first run it on the bounded admission threads (it measures the
-request's rows and may cut its texts), then queue it; other models are queued at once.
+Then :meth:`InferenceService.submit` hands it to the routed version's runner without a task
+(the HTTP front end answers from the future's done callback), :meth:`InferenceService.run`
+awaits it (gRPC handlers; cancelling the awaiting task takes the request out of the queue),
+and :meth:`InferenceService.stream` reads its responses one at a time (a decoupled model's
+many, any other's one). The runner (:mod:`gpuserve.engine.runners`) runs the model's admission
+step first when it declares one (the built-in text models count tokens and cut long texts):
+ensemble steps and BLS calls enter the same runners the same way.
 
-Then :meth:`InferenceService.submit` queues it without a task (the HTTP front end answers from
-the future's done callback) or :meth:`InferenceService.run` awaits it (gRPC handlers; cancelling
-the awaiting task takes the request out of the queue). A request for a decoupled model
-(``model_transaction_policy.decoupled``) is read with :meth:`InferenceService.stream`
-instead, one response at a time (see :mod:`gpuserve.service.streaming`); ``submit`` and
-``run`` give its one response, or 400 when the model sent none or several.
-
-Statistics and Prometheus series of the requests a version took are recorded by its
-scheduler (a decoupled request's by its executor, once, when its stream ends); refusals before
-that are recorded here, so every request is counted once, and
+Statistics and Prometheus series of the requests a version took are recorded by its runner
+(a decoupled request's once, when its stream ends); refusals before that are recorded here,
+so every request is counted once, and
 :func:`~gpuserve.service.outcome.log_access` writes the access line of every answer.
 
 Nothing here knows HTTP or protobuf: signatures carry names, typed requests and callables.
@@ -47,24 +45,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpuserve.backends.base import AdmissionStep
 from gpuserve.config import ModelConfig, ServerConfig
+from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.base import ResponseStream, VersionRunner
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import GpuserveError, UnavailableError
 from gpuserve.metrics import ServerMetrics
 from gpuserve.metrics.responses import ResponseCollector
 from gpuserve.metrics.sequences import SequenceCollector, manager_schedulers
 from gpuserve.repository.manager import ModelManager
-from gpuserve.service import streaming
-from gpuserve.service.admission import (
-    AdmissionPool,
-    admission_step,
-    run_step,
-    step_inline,
-    submit_after_step,
-)
 from gpuserve.service.commands import RepositoryCommands
 from gpuserve.service.extensions import Extensions, ExtensionViews
 from gpuserve.service.names import check_version_label
@@ -113,9 +103,7 @@ class Admission:
     version: str
     config: ModelConfig
     request: InferenceRequest
-    scheduler: ModelScheduler = field(repr=False)
-    #: The model's admission step, still to run (None: none, or already run).
-    step: AdmissionStep | None = field(default=None, repr=False)
+    runner: VersionRunner = field(repr=False)
 
     @property
     def rows(self) -> int:
@@ -149,10 +137,13 @@ class InferenceService:
         self.repository = RepositoryCommands(manager, self.views, config)
         # Triton's shared-memory, classification, trace and log settings extensions
         self.extensions = Extensions(manager, config)
-        # models' admission steps (service/admission.py): bounded threads, bounded waiting
-        self.admission_pool = AdmissionPool(
-            config.admission_workers, config.admission_queue, config.admission_inline_bytes
-        )
+        # models' admission steps (engine/admission.py): bounded threads, bounded waiting,
+        # shared by every version's runner
+        if manager.admission_pool is None:
+            manager.admission_pool = AdmissionPool(
+                config.admission_workers, config.admission_queue, config.admission_inline_bytes
+            )
+        self.admission_pool: AdmissionPool = manager.admission_pool
 
     @classmethod
     def from_config(cls, config: ServerConfig, *, with_metrics: bool = True) -> InferenceService:
@@ -189,6 +180,24 @@ class InferenceService:
             self.record_unrouted(model, None, err.reason)
             raise
 
+    async def admit_loaded(
+        self,
+        model: str,
+        version: str | None,
+        wire: WireRequest,
+        is_cancelled: Callable[[], bool] | None = None,
+    ) -> Admission:
+        """:meth:`admit`, after loading ``model`` on demand when it is cold (awaits only
+        then; admission follows the load with no await in between, so the model cannot be
+        evicted before the request is queued). The entry of every front end that awaits.
+
+        Raises:
+            GpuserveError: as :meth:`ensure_loaded` and :meth:`admit` (already counted).
+        """
+        if self.manager.cold(model):
+            await self.ensure_loaded(model)
+        return self.admit(model, version, wire, is_cancelled)
+
     def admit(
         self,
         model: str,
@@ -214,75 +223,59 @@ class InferenceService:
         except GpuserveError as err:
             self.record_unrouted(model, version, err.reason)
             raise
-        scheduler = mv.scheduler
-        assert scheduler is not None
+        runner = mv.runner
+        assert runner is not None
         try:
             if version is None:  # a canary may take it, by a hash of its id
                 routed = self.manager.canary_split(mv, wire.request_id)
-                if routed is not mv and routed.scheduler is not None:
-                    mv, scheduler = routed, routed.scheduler
+                if routed is not mv and routed.runner is not None:
+                    mv, runner = routed, routed.runner
             request = wire.decode(mv.config, model, version)
             if self.manager.shutting_down:
                 raise UnavailableError("server is shutting down; retry on another replica")
-        except GpuserveError as err:  # counted here: it never reaches the scheduler
-            scheduler.stats.record_request(
-                RequestStats(model, scheduler.version, 0, 0.0, 0.0, 0.0, err.reason)
+        except GpuserveError as err:  # counted here: it never reaches the runner
+            runner.stats.record_request(
+                RequestStats(model, runner.version, 0, 0.0, 0.0, 0.0, err.reason)
             )
             raise
         request.is_cancelled = is_cancelled
-        return Admission(
-            model, scheduler.version, mv.config, request, scheduler, admission_step(scheduler)
-        )
+        return Admission(model, runner.version, mv.config, request, runner)
 
     def submit(self, admission: Admission) -> asyncio.Future[InferenceResponse]:
-        """Queue an admitted request; its future resolves with the response or fails with
-        why (queue timeout, model failure, unloaded). No task is created.
+        """Hand an admitted request to its version's runner; the future resolves with its
+        one response or fails with why (queue timeout, model failure, unloaded; a decoupled
+        model that sent no response or several: 400). No task is created.
 
         Raises:
-            GpuserveError: refused at the queue (full, unknown priority, unloading), or by
-                the admission pool (full: 429).
+            GpuserveError: refused at once (queue full, unknown priority, unloading, the
+                model's admission step, the admission pool full: 429). Counted.
         """
-        if admission.step is not None and not step_inline(self.admission_pool, admission):
-            # the model's admission step first, on a worker thread (a large request)
-            return submit_after_step(self.admission_pool, admission, self.submit)
-        if admission.config.model_transaction_policy.decoupled:  # one response, or 400
-            stream = streaming.open_stream(admission)
-            return asyncio.ensure_future(streaming.collect_single(admission, stream))
-        future = admission.scheduler.submit(admission.request)
+        future = admission.runner.submit(admission.request)
         if self.extensions.traces.active:  # Triton's trace settings: sampled requests
             self.extensions.trace_when_done(admission.model, future)
         return future
 
     async def run(self, admission: Admission) -> InferenceResponse:
-        """Queue an admitted request and wait for its response; cancelling the caller takes
-        it out of the queue if its batch has not formed.
+        """Run an admitted request and wait for its one response; cancelling the caller takes
+        it out of the queue if it has not run.
 
         Raises:
             GpuserveError: as :meth:`submit`, and what its future fails with.
         """
-        if admission.step is not None and not step_inline(self.admission_pool, admission):
-            await run_step(self.admission_pool, admission)  # on a worker thread
-        if admission.config.model_transaction_policy.decoupled:  # one response, or 400
-            return await streaming.single_response(admission)
-        response = await admission.scheduler.infer(admission.request)
+        response = await admission.runner.infer(admission.request)
         if self.extensions.traces.active:  # Triton's trace settings: sampled requests
             self.extensions.traces.record(admission.model, response)
         return response
 
-    def stream(self, admission: Admission) -> streaming.ResponseStream:
-        """Run an admitted request of a decoupled model; its responses come from the
-        returned stream as the model produces them (see :mod:`gpuserve.service.streaming`).
-        For a model that is not decoupled the stream has its one response, final.
+    def stream(self, admission: Admission) -> ResponseStream:
+        """Run an admitted request; its responses come from the returned stream as the model
+        produces them (see :mod:`gpuserve.service.streaming`): a decoupled model's many, any
+        other model's one, final.
 
         Raises:
-            GpuserveError: refused at the queue (full: 429; unloading: 503).
+            GpuserveError: refused at once (queue full: 429; unloading: 503).
         """
-        if admission.config.model_transaction_policy.decoupled:
-            if admission.step is not None and not step_inline(self.admission_pool, admission):
-                step = run_step(self.admission_pool, admission)
-                return streaming.SteppedStream(admission, step)
-            return streaming.open_stream(admission)
-        return streaming.single_stream(admission, self.submit(admission))
+        return admission.runner.stream(admission.request)
 
     def record_unrouted(self, model: str, version: str | None, reason: str) -> None:
         """Count a request that failed before any model version took it (unknown model or

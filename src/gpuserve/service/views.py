@@ -247,7 +247,7 @@ class Views:
             ]
         else:
             _, versions = self.lookup(name, version)
-        return [mv.scheduler.stats for mv in versions if mv.scheduler is not None]
+        return [mv.runner.stats for mv in versions if mv.runner is not None]
 
     def index(self, ready_only: bool = False) -> list[IndexRow]:
         """The repository index: every model version and its state."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import AdmissionStep, Backend, LoadContext, RowErrors
+from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.backends.correlation import (
     NO_ID,
     correlation_ids,
@@ -243,6 +243,11 @@ class TritonPythonRunner(Backend):
                     arrays[name] = arrays[name].reshape(1)
         return arrays, None
 
+    def capabilities(self) -> Capabilities:
+        """A ``TritonPythonModel`` streams (its response sender), runs several streams in one
+        ``execute(requests)`` and reads its rows' ``correlation_id()``."""
+        return Capabilities(streams=True, streams_batches=True, reads_row_ids=True)
+
     def stream(self, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
         """Decoupled execution: ``execute([request])`` with the request's response sender
         bound to ``sink``; ``execute`` returns None and the model sends the responses, from
@@ -322,18 +327,10 @@ class PythonModelBackend(Backend):
                 "(backend 'python')"
             )
 
-    @property
-    def unpadded_batches(self) -> bool:  # type: ignore[override]  # read-only here
-        """Whether the user's ``Model`` runs variable-length batches unpadded (its
-        ``unpadded_batches``, e.g. the default text_embedding)."""
-        return bool(getattr(self.model, "unpadded_batches", False))
-
-    @property
-    def reads_correlation_ids(self) -> bool:
-        """Whether batches should carry their rows' sequence ids
-        (:data:`~gpuserve.backends.correlation.CORRELATION_INPUT`): a ``TritonPythonModel``
-        reads them as ``request.correlation_id()``; gpuserve's ``Model`` does not."""
-        return isinstance(self.impl, TritonPythonRunner)
+    def capabilities(self) -> Capabilities:
+        """The wrapped implementation's: a ``Model``'s hooks, or a ``TritonPythonModel``'s
+        (streams, batches of streams, row ids)."""
+        return self._impl().capabilities()
 
     @property
     def model(self) -> Any:
@@ -371,27 +368,12 @@ class PythonModelBackend(Backend):
         """Decoupled execution (see :mod:`gpuserve.backends.streaming`): the ``Model``'s
         ``generate`` generator, or the ``TritonPythonModel``'s ``execute`` with a response
         sender."""
-        impl = self._impl()
-        stream = getattr(impl, "stream", None)
-        if stream is None:
-            raise BackendError("this python model cannot run decoupled")
-        stream(inputs, sink)
-
-    @property
-    def streams_batches(self) -> bool:
-        """Whether several decoupled requests can run in one call (:meth:`stream_batch`):
-        a ``TritonPythonModel`` (``execute(requests)``); gpuserve's ``generate`` cannot."""
-        return isinstance(self.impl, TritonPythonRunner)
+        self._impl().stream(inputs, sink)
 
     def stream_batch(self, calls: Sequence[StreamCall]) -> None:
         """Decoupled execution of several requests in one call (see
         :mod:`gpuserve.backends.streaming`); one request per call for a ``Model``."""
-        impl = self._impl()
-        if isinstance(impl, TritonPythonRunner):
-            impl.stream_batch(calls)
-            return
-        for call in calls:  # gpuserve's generator API has no batched form
-            self.stream(call.inputs, call.sink)
+        self._impl().stream_batch(calls)
 
     def unload(self) -> None:
         if self.impl is not None:

@@ -289,10 +289,8 @@ class InferenceServicer(ExtensionRpcs, pb_grpc.GRPCInferenceServiceServicer):
         the queued request); the probe also catches a client gone just before its batch
         forms. A model that loads on demand is loaded first (then admitted without an
         await in between)."""
-        if self.service.cold(request.model_name):
-            await self.service.ensure_loaded(request.model_name)
         wire = GrpcInferMessage(request, self.limits, self.service.extensions.shared_memory)
-        admission = self.service.admit(
+        admission = await self.service.admit_loaded(
             request.model_name, request.model_version or None, wire, context.cancelled
         )
         response = await self.service.run(admission)

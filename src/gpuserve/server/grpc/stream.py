@@ -106,10 +106,8 @@ async def stream_infer(
             await results.put(stream_error(pb.ModelInferRequest(), request.error.message))
             return
         try:
-            if service.cold(request.model_name):
-                await service.ensure_loaded(request.model_name)
             wire = GrpcInferMessage(request, servicer.limits, service.extensions.shared_memory)
-            admission = service.admit(
+            admission = await service.admit_loaded(
                 request.model_name, request.model_version or None, wire, context.cancelled
             )
             if not admission.config.model_transaction_policy.decoupled:

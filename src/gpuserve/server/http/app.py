@@ -239,6 +239,9 @@ class HttpApp:
         # so it never runs (BC-11). The probe reads the connection's state lazily: watching
         # each connection would cost more than the check.
         admission = self.service.admit(name, version, wire, request.is_disconnected)
+        self._submit(request, admission, wire)
+
+    def _submit(self, request: HttpRequest, admission: Admission, wire: HttpInferBody) -> None:
         request.access = admission
         future = self.service.submit(admission)
         future.add_done_callback(lambda done: self._infer_done(request, done, wire, admission))
@@ -250,8 +253,9 @@ class HttpApp:
         queue timeout), then admit it as any other (no await in between, so the model cannot
         be evicted before the request is queued)."""
         try:
-            await self.service.ensure_loaded(name)
-            self._admit(request, name, version, wire)
+            probe = request.is_disconnected
+            admission = await self.service.admit_loaded(name, version, wire, probe)
+            self._submit(request, admission, wire)
         except Exception as err:
             self._fail(request, err)
 

@@ -162,9 +162,7 @@ class GenerateApi:
     ) -> None:
         """Answer one generate request (``endpoint``: ``generate`` or ``generate_stream``)."""
         try:
-            if self.service.cold(name):
-                await self.service.ensure_loaded(name)
-            admission = self.service.admit(
+            admission = await self.service.admit_loaded(
                 name, version, _GenerateBody(request.body, self.limits), request.is_disconnected
             )
             request.access = admission

@@ -1,4 +1,8 @@
-"""The scheduler: one per loaded model version; the asyncio driver of its scheduling core.
+"""The batching runner: the asyncio driver of one version's scheduling core.
+
+The runner of every version that is neither decoupled nor an ensemble (dynamic batching, or
+sequence batching: the core's batcher is the one its config asks for). It implements the
+:class:`~gpuserve.engine.runners.base.VersionRunner` contract (admission steps included).
 
 Every decision is :class:`~gpuserve.engine.scheduling.SchedulerCore`'s (admission, batch
 formation, dispatch, retry halves, expiry, the watchdog, statistics); this module only does the
@@ -21,11 +25,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
+from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
+from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.assembly import ShapeKey, shape_key
 from gpuserve.engine.batch import BatchResult, Pending
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.engine.scheduling import SchedulerCore
 from gpuserve.errors import UnavailableError
 
@@ -33,16 +40,20 @@ logger = logging.getLogger(__name__)
 
 
 def _unattached() -> asyncio.Future[InferenceResponse]:
-    raise RuntimeError("ModelScheduler.attach was not called")
+    raise RuntimeError("BatchingRunner.attach was not called")
 
 
-class ModelScheduler:
+class BatchingRunner(VersionRunner):
     """Queue, batch and dispatch the requests of one model version.
 
     Args:
         config: The model's configuration.
         version: Version number as a string.
+        capabilities: What its instances declared at load (the batcher is built for them:
+            unpadded rows, row ids).
+        admission_pool: Threads for the admission steps of large requests (None: inline).
         clock: Monotonic clock, seconds (injectable for tests).
+        on_gpu: Whether an instance runs on a GPU (the default token budget).
 
     Attributes:
         core: The scheduling core this drives.
@@ -51,17 +62,21 @@ class ModelScheduler:
         adaptive: Its adaptive batching policy, or None (``core.adaptive``).
     """
 
+    kind = "batching"
+
     def __init__(
         self,
         config: ModelConfig,
         version: str,
+        capabilities: Capabilities | None = None,
+        admission_pool: AdmissionPool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        on_gpu: bool = False,
     ) -> None:
-        self.config = config
-        self.name = config.name or ""
-        self.version = version
-        self.clock = clock
-        self.core: SchedulerCore[Instance] = SchedulerCore(config, version)
+        capabilities = capabilities or Capabilities()
+        super().__init__(config, version, capabilities, admission_pool, clock)
+        self.core: SchedulerCore[Instance] = SchedulerCore(config, version, capabilities, on_gpu)
         self.stats = self.core.stats
         self.batcher = self.core.batcher
         self.adaptive = self.core.adaptive
@@ -75,7 +90,6 @@ class ModelScheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._held = 0  # work outside the core (decoupled streams) that a drain waits for
 
     def attach(
         self,
@@ -92,9 +106,7 @@ class ModelScheduler:
         self._loop = loop
         self._new_future = loop.create_future
         self._respawn = respawn
-        on_gpu = any(_on_gpu(instance) for instance in instances)
-        unpadded = bool(instances) and all(_unpadded(instance) for instance in instances)
-        self.core.attach(instances, on_gpu=on_gpu, unpadded=unpadded)
+        self.core.attach(instances)
 
     @property
     def instances(self) -> list[Instance]:
@@ -111,9 +123,21 @@ class ModelScheduler:
         return self.core.in_flight_requests
 
     @property
+    def queued(self) -> int:
+        """Requests waiting in the batcher's queue."""
+        return len(self.core.batcher)
+
+    @property
     def healthy(self) -> bool:
         """Whether at least one instance can run batches (False while all are replaced)."""
         return bool(self.core.instances)
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the version cannot take requests now, or None."""
+        if self.core.instances:
+            return None
+        return "its instance is being restarted after it stopped responding"
 
     def start_trace(self, batches: int, directory: Path) -> None:
         """Profile the next ``batches`` batches of every instance into ``directory``."""
@@ -134,7 +158,7 @@ class ModelScheduler:
         padding = self.core.padding
         return shape_key(request) if padding is None else padding.key(request)
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    async def _wait(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request``, wait for its batch to run, and return its own rows. Cancelling
         the caller takes the request out of the queue if its batch has not formed yet.
 
@@ -157,10 +181,10 @@ class ModelScheduler:
                 self._deliver((item,))
             raise
 
-    def submit(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
+    def _queue(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
         """Queue ``request`` and return the future of its response, without a task per
         request (the HTTP front end answers from the future's done callback). The future
-        fails with the errors :meth:`infer` raises; admission errors raise at once."""
+        fails with the errors :meth:`_wait` raises; admission errors raise at once."""
         now = self.clock()
         item = self.core.admit(request, now)  # refuses unless attached and not closing
         future = self._new_future()
@@ -244,19 +268,7 @@ class ModelScheduler:
                 future.set_result(outcome)
             elif outcome is not None:
                 future.set_exception(outcome)
-        if not self.core.in_flight_requests and not self._held:
-            self._idle.set()
-
-    def hold(self) -> None:
-        """Count one piece of work that runs outside the scheduling core (a decoupled
-        stream on an instance): :meth:`close` waits for it as for a queued request."""
-        self._held += 1
-        self._idle.clear()
-
-    def release(self) -> None:
-        """The work of one :meth:`hold` ended."""
-        self._held = max(0, self._held - 1)
-        if not self._held and not self.core.in_flight_requests:
+        if not self.core.in_flight_requests:
             self._idle.set()
 
     # -- shutdown --------------------------------------------------------------------------
@@ -278,12 +290,5 @@ class ModelScheduler:
             await loop.run_in_executor(None, instance.stop)
 
 
-def _on_gpu(instance: Instance) -> bool:
-    """Whether ``instance`` runs on a CUDA device (False for a stand-in without a context)."""
-    context = getattr(instance, "context", None)
-    return context is not None and context.device.startswith("cuda")
-
-
-def _unpadded(instance: Instance) -> bool:
-    """Whether ``instance``'s backend runs variable-length batches without padding."""
-    return bool(getattr(getattr(instance, "backend", None), "unpadded_batches", False))
+#: The former name of the batching runner.
+ModelScheduler = BatchingRunner

@@ -1,17 +1,17 @@
 """Models' admission steps: per request, before batching, on a bounded pool of threads.
 
-A model may declare an admission step (:meth:`gpuserve.backends.base.Backend.admission`; a
-``python`` model's ``Model.admit``): the built-in text models count each row's tokens and cut
-long texts before tokenisation. :class:`~gpuserve.service.inference.InferenceService` runs it
-between decoding a request and queueing it, only for models that declare one (the others are
-queued at once, with no await and no thread hop):
+A model may declare an admission step (``Capabilities.admission``, from
+:meth:`gpuserve.backends.base.Backend.admission`; a ``python`` model's ``Model.admit``): the
+built-in text models count each row's tokens and cut long texts before tokenisation. Every
+runner runs it (:meth:`gpuserve.engine.runners.base.VersionRunner.submit`) between a request's
+admission and its queueing, whoever sent it (a client, an ensemble step, a BLS call), only for
+models that declare one (the others are queued at once, with no await and no thread hop):
 
-* :func:`admission_step` finds a served version's step (its first instance's backend).
 * :class:`AdmissionPool` runs steps on ``admission_workers`` threads, off the event loop, and
   bounds the waiting work: a request that would make more than ``admission_queue`` requests
   wait or run there is refused at once with 429 (``OverloadedError``), saying so. A small
   request (inputs of at most ``admission_inline_bytes``: a sentence) runs its step on the
-  event loop instead (:func:`step_inline`): measuring it costs less than the hop to a thread
+  event loop instead: measuring it costs less than the hop to a thread
   and back, and it reaches the batcher while the batch it can join is still forming.
 * The step's answer (:class:`~gpuserve.backends.base.Admitted`) is checked on the worker: one
   length per row, replacement inputs with the request's names, datatypes and shapes. A step
@@ -28,38 +28,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from gpuserve.backends.base import AdmissionStep, Admitted
-from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestCost
-from gpuserve.engine.scheduler import ModelScheduler
-from gpuserve.engine.stats import RequestStats
+from gpuserve.engine.request import InferenceRequest, RequestCost
 from gpuserve.errors import BackendError, GpuserveError, OverloadedError, UnavailableError
 
-if TYPE_CHECKING:
-    from gpuserve.service.inference import Admission
-
 logger = logging.getLogger(__name__)
-
-
-def admission_step(scheduler: ModelScheduler) -> AdmissionStep | None:
-    """The admission step of a served version, or None when its model declares none (or it
-    has no instance right now, while a hung one is replaced).
-
-    Asked per request, so it allocates nothing: attribute reads and method calls (the
-    backends store their step at load; ``python`` models' is looked up once per model).
-    """
-    instances = scheduler.core.instances  # the property's list, without its call
-    if not instances:
-        return None
-    try:
-        return instances[0].backend.admission()
-    except AttributeError:  # an instance or a backend without the hook (test doubles)
-        return None
 
 
 class AdmissionPool:
@@ -111,7 +89,7 @@ class AdmissionPool:
         loop = asyncio.get_running_loop()
         try:
             future = loop.run_in_executor(
-                self._executor(), _call, step, request.inputs, rows, label
+                self._executor(), run_checked, step, request.inputs, rows, label
             )
         except RuntimeError:  # the threads were stopped (the server is closing)
             raise UnavailableError(f"{label}: the server is shutting down") from None
@@ -164,8 +142,16 @@ def apply(request: InferenceRequest, admitted: Admitted) -> None:
         request.inputs = admitted.inputs
 
 
-def _call(step: AdmissionStep, inputs: dict[str, np.ndarray], rows: int, label: str) -> Admitted:
-    """Worker: run ``step`` and check its answer (see the module docstring)."""
+def run_checked(
+    step: AdmissionStep, inputs: dict[str, np.ndarray], rows: int, label: str
+) -> Admitted:
+    """Run ``step`` and check its answer (see the module docstring); on a worker thread, or
+    inline for a small request.
+
+    Raises:
+        GpuserveError: the step's own error (as it is), or BackendError for anything else it
+            raised or a wrong answer (logged).
+    """
     try:
         admitted = step(inputs)
     except GpuserveError:
@@ -202,8 +188,10 @@ def _problem(admitted: Any, inputs: dict[str, np.ndarray], rows: int) -> str | N
         return f"replacement inputs {sorted(replaced)}, the request has {sorted(inputs)}"
     for name, array in inputs.items():
         new = replaced[name]
-        if not isinstance(new, np.ndarray) or new.dtype != array.dtype or new.shape != array.shape:
-            got = f"{getattr(new, 'dtype', type(new).__name__)} {list(getattr(new, 'shape', ()))}"
+        if not isinstance(new, np.ndarray):
+            return f"input '{name}' replaced by a {type(new).__name__}, expected a numpy array"
+        if new.dtype != array.dtype or new.shape != array.shape:
+            got = f"{new.dtype} {list(new.shape)}"
             return f"input '{name}' replaced by {got}, expected {array.dtype} {list(array.shape)}"
     return None
 
@@ -223,113 +211,3 @@ def input_bytes(inputs: dict[str, np.ndarray], limit: int) -> int:
         if total > limit:
             return total
     return total
-
-
-def step_inline(pool: AdmissionPool, admission: Admission) -> bool:
-    """Run ``admission``'s step here, at once, when its inputs are small (at most
-    ``pool.inline_bytes``); True when it ran (the step is then cleared), False to leave it to
-    the threads.
-
-    Raises:
-        GpuserveError: the step failed (counted on the version; this request only).
-    """
-    limit = pool.inline_bytes
-    if limit <= 0 or input_bytes(admission.request.inputs, limit) > limit:
-        return False
-    step, admission.step = admission.step, None
-    assert step is not None
-    try:
-        apply(
-            admission.request,
-            _call(step, admission.request.inputs, admission.rows, _label(admission)),
-        )
-    except GpuserveError as err:
-        _count(admission, err)
-        raise
-    return True
-
-
-def submit_after_step(
-    pool: AdmissionPool,
-    admission: Admission,
-    submit: Callable[[Admission], asyncio.Future[InferenceResponse]],
-) -> asyncio.Future[InferenceResponse]:
-    """Run ``admission``'s step on ``pool``, then queue it with ``submit`` (the service's own
-    ``submit``, now without a step); the returned future is the response's. No task.
-
-    Raises:
-        OverloadedError: the pool's bound is reached (counted on the version).
-    """
-    step, admission.step = admission.step, None
-    assert step is not None
-    try:
-        started = pool.run(step, admission.request, admission.rows, _label(admission))
-    except GpuserveError as err:
-        _count(admission, err)
-        raise
-    outer: asyncio.Future[InferenceResponse] = asyncio.get_running_loop().create_future()
-
-    def admitted(done: asyncio.Future[Admitted]) -> None:
-        if outer.done():
-            return
-        if done.cancelled():
-            outer.cancel()
-            return
-        try:
-            apply(admission.request, done.result())
-        except GpuserveError as err:  # the step's own error: this request only
-            _count(admission, err)
-            outer.set_exception(err)
-            return
-        try:
-            queued = submit(admission)
-        except GpuserveError as err:  # refused at the queue (counted there)
-            outer.set_exception(err)
-            return
-        queued.add_done_callback(lambda ran: _copy(ran, outer))
-
-    started.add_done_callback(admitted)
-    return outer
-
-
-async def run_step(pool: AdmissionPool, admission: Admission) -> None:
-    """Run ``admission``'s step on ``pool`` and apply its answer (the gRPC path: awaited, so
-    cancelling the caller drops a step that has not started).
-
-    Raises:
-        GpuserveError: the pool's bound is reached, or the step failed (counted).
-    """
-    step, admission.step = admission.step, None
-    assert step is not None
-    try:
-        apply(
-            admission.request,
-            await pool.run(step, admission.request, admission.rows, _label(admission)),
-        )
-    except GpuserveError as err:
-        _count(admission, err)
-        raise
-
-
-def _label(admission: Admission) -> str:
-    return f"model '{admission.model}' version {admission.version}"
-
-
-def _count(admission: Admission, err: GpuserveError) -> None:
-    """Count a request refused before its version's scheduler took it."""
-    admission.scheduler.stats.record_request(
-        RequestStats(admission.model, admission.version, 0, 0.0, 0.0, 0.0, err.reason)
-    )
-
-
-def _copy(source: asyncio.Future[InferenceResponse], target: asyncio.Future[Any]) -> None:
-    if target.done():
-        if not source.cancelled():
-            source.exception()
-        return
-    if source.cancelled():
-        target.cancel()
-    elif source.exception() is not None:
-        target.set_exception(source.exception())  # type: ignore[arg-type]
-    else:
-        target.set_result(source.result())

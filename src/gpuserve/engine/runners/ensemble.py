@@ -1,14 +1,15 @@
-"""The ensemble scheduler: runs one ensemble version's requests through its step DAG.
+"""The ensemble runner: runs one ensemble version's requests through its step DAG.
 
-It stands where a model version's :class:`~gpuserve.engine.scheduler.ModelScheduler` stands
-(the service admits, decodes against the ensemble's configuration and calls :meth:`submit` or
-:meth:`infer`), but has no instance and no queue of its own: each step of a request is
-submitted to the **step model's own scheduler**, so it is batched with that model's other
-traffic by that model's dynamic batcher, and each step's execution is counted in the step
-model's statistics. Intermediate tensors stay in the process, handed from one step's response
-to the next step's request as they are (no encoding, no copy); where producer and consumers
-run on one device with backends that give and take tensors, they stay ``torch.Tensor`` on
-that device (:mod:`gpuserve.engine.ensemble_handoff`).
+A :class:`~gpuserve.engine.runners.base.VersionRunner` (the service admits, decodes against
+the ensemble's configuration and calls :meth:`submit` or :meth:`infer`) with no instance and
+no queue of its own: each step of a request enters the **step model's own runner** the way a
+client's request does (its admission step: token counts, the UTF-8 check, truncation; its
+output checks), so it is batched with that model's other traffic by that model's batcher, and
+each step's execution is counted in the step model's statistics. Intermediate tensors stay in
+the process, handed from one step's response to the next step's request as they are (no
+encoding, no copy); where producer and consumers run on one device with backends that give
+and take tensors, they stay ``torch.Tensor`` on that device
+(:mod:`gpuserve.engine.ensemble_handoff`).
 
 The decisions are :class:`~gpuserve.engine.ensemble.EnsembleRun`'s (which steps may start);
 this module only waits, on the event loop, with no task per request: every step future
@@ -31,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuserve.backends import tensors as _tensors
+from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.assembly import HandoffRequest, request_rows
 from gpuserve.engine.ensemble import EnsemblePlan, EnsembleRun
 from gpuserve.engine.ensemble_handoff import HandoffDecision, host_inputs
 from gpuserve.engine.ensemble_stats import EnsembleStats, StepStats
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
-from gpuserve.engine.scheduler import ModelScheduler
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import (
     BackendError,
@@ -55,8 +57,8 @@ logger = logging.getLogger(__name__)
 class StepRouter(Protocol):
     """How the ensemble reaches its step models (the model manager implements it)."""
 
-    def scheduler(self, name: str, version: str | None) -> ModelScheduler:
-        """The scheduler serving ``name`` (version ``version``, None: the default).
+    def runner(self, name: str, version: str | None) -> VersionRunner:
+        """The runner serving ``name`` (version ``version``, None: the default).
 
         Raises:
             ModelNotFoundError, ModelNotReadyError: it cannot take requests now.
@@ -111,19 +113,21 @@ def step_error(label: str, ensemble: str, err: BaseException) -> GpuserveError:
     return BackendError(f"{prefix}{type(err).__name__}: {err}")
 
 
-class EnsembleScheduler(ModelScheduler):
+class EnsembleRunner(VersionRunner):
     """Runs the requests of one ensemble version (module docstring).
 
     Args:
         config: The ensemble's configuration (``config.ensemble`` set).
         version: Its version number as a string.
-        router: Reaches the step models' schedulers.
+        router: Reaches the step models' runners.
         clock: Monotonic clock, seconds.
 
     Attributes:
         plan: The step DAG.
         stats: An :class:`EnsembleStats` (the whole and per step).
     """
+
+    kind = "ensemble"
 
     def __init__(
         self,
@@ -132,24 +136,31 @@ class EnsembleScheduler(ModelScheduler):
         router: StepRouter,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(config, version, clock)
+        super().__init__(config, version, Capabilities(), None, clock)
         assert config.ensemble is not None
         self.plan = EnsemblePlan.of(config)
         self.router = router
         stats = EnsembleStats(self.name, version)
         stats.steps = [StepStats(s.index, s.model) for s in self.plan.steps]
-        self.stats = self.core.stats = stats
+        self.stats = stats
         self._step_timeout_s = config.ensemble.step_timeout_s or None
-        self._batched = config.max_batch_size > 0
         self._runs: set[_Run] = set()
         self._closing = False
         self._handoff = HandoffDecision(self.plan)
-        #: Why the ensemble is not ready (a step model not served), set by :attr:`healthy`.
-        self.unhealthy_reason: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._unhealthy_reason: str | None = None
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start taking requests on ``loop`` (an ensemble has no instance)."""
-        self.attach([], loop)
+        self._loop = loop
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the ensemble is not ready (a step model not served), set by :attr:`healthy`."""
+        return self._unhealthy_reason
 
     @property
     def healthy(self) -> bool:
@@ -160,11 +171,11 @@ class EnsembleScheduler(ModelScheduler):
             if self.router.cold(step.model):
                 continue
             try:
-                self.router.scheduler(step.model, step.version)
+                self.router.runner(step.model, step.version)
             except GpuserveError as err:
-                self.unhealthy_reason = f"{step.label} is not served: {err.message}"
+                self._unhealthy_reason = f"{step.label} is not served: {err.message}"
                 return False
-        self.unhealthy_reason = None
+        self._unhealthy_reason = None
         return True
 
     @property
@@ -174,15 +185,16 @@ class EnsembleScheduler(ModelScheduler):
 
     # -- admission -------------------------------------------------------------------------
 
-    def submit(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
+    def _queue(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
         """Start ``request``'s steps and return the future of its response.
 
         Raises:
             UnavailableError: the ensemble is unloading or not attached.
         """
-        if self._closing or self._loop is None:
+        loop = self._loop
+        if self._closing or loop is None:
             raise UnavailableError(f"model '{self.name}' is unloading")
-        future = self._new_future()
+        future = loop.create_future()
         run = _Run(
             request,
             EnsembleRun.begin(self.plan, request.inputs),
@@ -197,22 +209,13 @@ class EnsembleScheduler(ModelScheduler):
         self._launch(run, run.state.start())
         return future
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        """Run ``request`` and return its response; cancelling the caller drops its steps
-        that have not run yet.
-
-        Raises:
-            GpuserveError: the failing step's error, its message naming the step.
-        """
-        return await self.submit(request)
-
     # -- steps -----------------------------------------------------------------------------
 
-    def _served(self, model: str, version: str | None) -> object | None:
+    def _served(self, model: str, version: str | None) -> VersionRunner | None:
         if self.router.cold(model):
             return None
         try:
-            return self.router.scheduler(model, version)
+            return self.router.runner(model, version)
         except GpuserveError:
             return None
 
@@ -220,12 +223,12 @@ class EnsembleScheduler(ModelScheduler):
         """Per step, the outputs its request keeps as device tensors."""
         return self._handoff.keep([self._served(s.model, s.version) for s in self.plan.steps])
 
-    def _step_inputs(self, run: _Run, index: int, scheduler: object) -> dict[str, Any]:
+    def _step_inputs(self, run: _Run, index: int, runner: VersionRunner) -> dict[str, Any]:
         stats = self.stats
         assert isinstance(stats, EnsembleStats)
         state = run.state
         inputs = state.step_inputs(index)
-        return host_inputs(self.plan, index, inputs, state.tensors, scheduler, stats.steps[index])
+        return host_inputs(self.plan, index, inputs, state.tensors, runner, stats.steps[index])
 
     def _launch(self, run: _Run, indices: list[int]) -> None:
         for index in indices:
@@ -253,11 +256,11 @@ class EnsembleScheduler(ModelScheduler):
         step = self.plan.steps[index]
         request = run.request
         try:
-            scheduler = self.router.scheduler(step.model, step.version)
+            runner = self.router.runner(step.model, step.version)
             step_request = HandoffRequest(
                 model_name=step.model,
                 model_version=step.version,
-                inputs=self._step_inputs(run, index, scheduler),
+                inputs=self._step_inputs(run, index, runner),
                 requested_outputs=step.requested_outputs,
                 id=request.id,
                 parameters=request.parameters,
@@ -266,7 +269,7 @@ class EnsembleScheduler(ModelScheduler):
                 is_cancelled=run.gone,
                 keep_tensors=run.keep[index] if run.keep else frozenset(),
             )
-            future = scheduler.submit(step_request)
+            future = runner.submit(step_request)  # as a client's: admission step first
         except Exception as err:  # refused (GpuserveError), or anything else: this run fails
             self._fail(run, index, err)
             return
@@ -419,7 +422,7 @@ def is_ensemble(config: ModelConfig) -> bool:
 
 
 __all__ = [
-    "EnsembleScheduler",
+    "EnsembleRunner",
     "EnsembleStats",
     "StepRouter",
     "StepStats",

@@ -1,0 +1,487 @@
+"""One contract, every runner: the same cases against each kind of :class:`VersionRunner`.
+
+Every loaded version has exactly one runner (``src/gpuserve/engine/runners/``). Whatever the
+runner, a client of ``POST /v2/models/conf/infer`` must see the same behaviour. Each kind
+below is a repository (written into ``tmp_path``) whose model ``conf`` computes ``Y = 2 X``
+(FP32, input ``X`` dims [4], ``max_batch_size: 8``, one CPU instance) served by a different
+runner:
+
+* ``batching``: a python model with ``dynamic_batching`` (BatchingRunner, dynamic batcher);
+* ``sequence``: the same model with ``sequence_batching`` (``oldest``; BatchingRunner,
+  sequence batcher); every request is a sequence of its own (the kind's :meth:`Kind.body`
+  adds ``sequence_id`` / ``sequence_start`` / ``sequence_end``);
+* ``streaming``: a decoupled python model (``model_transaction_policy: {decoupled: true}``)
+  whose ``generate`` yields exactly one response (StreamingRunner, unary ``/infer``);
+* ``ensemble``: an ensemble of one step over a dynamic-batching ``conf_step`` (EnsembleRunner;
+  the step enters the step model's runner).
+
+The model's markers (first element of a row, the second element a tag):
+
+* ``-1``: its admission step (``admit``) refuses the request (400);
+* ``-2``: it returns ``Y`` of shape [1, 3] instead of [1, 4] (the engine's output checks: 500);
+* ``-3``: it touches ``started-<tag>`` in the kind's event folder and holds its instance until
+  the test creates ``release-<tag>`` (the slow request, released by the test, never a sleep);
+* ``-4``: it touches ``ran-<tag>`` (whether a request ran at all).
+
+One server per kind (in-process, ``--model-control-mode explicit`` with every model loaded, so
+that the drain case can unload and load ``conf`` again). Counts are read as differences (the
+Prometheus counters never reset; the statistics do on a reload).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.helpers import InProcessServer, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+KINDS = ["batching", "sequence", "streaming", "ensemble"]
+
+MODEL = "conf"
+STEP = "conf_step"  # the ensemble's step model
+
+REFUSAL = "input 'X': the admission step refuses the marker -1"
+
+#: What gpuserve answers for a queue timeout (RequestTimeoutError, src/gpuserve/server/status.py:
+#: 503 UNAVAILABLE; not Triton's 504/400) and for a request refused while unloading.
+QUEUE_TIMEOUT_STATUS = 503
+
+MODEL_CODE = '''
+import os
+import time
+
+import numpy as np
+
+from gpuserve.backends.base import Admitted
+from gpuserve.backends.python import PythonModel
+from gpuserve.errors import InvalidInputError
+
+EVENTS = {events!r}
+
+
+def _touch(name):
+    with open(os.path.join(EVENTS, name), "w"):
+        pass
+
+
+def _hold(name, deadline_s=30.0):
+    """Wait for the test's event file (a deadline, so a failed test never hangs here)."""
+    path = os.path.join(EVENTS, name)
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.002)
+
+
+def compute(x):
+    for row in x:
+        tag = int(row[1])
+        if row[0] == -3:
+            _touch(f"started-{{tag}}")
+            _hold(f"release-{{tag}}")
+        elif row[0] == -4:
+            _touch(f"ran-{{tag}}")
+    if (x[:, 0] == -2).any():
+        return {{"Y": np.zeros((1, 3), dtype=np.float32)}}  # declared dims are [4]
+    return {{"Y": x * 2}}
+
+
+class Model(PythonModel):
+    def admit(self, inputs):
+        x = inputs["X"]
+        if (x[:, 0] == -1).any():
+            raise InvalidInputError("{refusal}")
+        return Admitted(lengths=tuple(1 for _ in range(x.shape[0])))
+
+    def forward(self, inputs):
+        return compute(inputs["X"])
+
+    def generate(self, inputs):  # decoupled kind only: exactly one response
+        yield compute(inputs["X"])
+'''
+
+COMMON = """\
+backend: python
+max_batch_size: 8
+inputs: [{name: X, datatype: FP32, shape: [4]}]
+outputs: [{name: Y, datatype: FP32, shape: [4]}]
+instance_group: [{count: 1, kind: cpu}]
+"""
+
+SCHEDULING = {
+    "batching": "dynamic_batching: {max_queue_delay_us: 0}\n",
+    "sequence": (
+        "sequence_batching:\n"
+        "  max_sequence_idle_us: 60000000\n"
+        "  oldest: {max_candidate_sequences: 8, max_queue_delay_us: 0}\n"
+    ),
+    "streaming": "model_transaction_policy: {decoupled: true}\n",
+}
+
+ENSEMBLE_CONFIG = f"""\
+backend: ensemble
+max_batch_size: 8
+inputs: [{{name: X, datatype: FP32, shape: [4]}}]
+outputs: [{{name: Y, datatype: FP32, shape: [4]}}]
+ensemble:
+  steps:
+    - {{model_name: {STEP}, input_map: {{X: X}}, output_map: {{Y: Y}}}}
+"""
+
+
+def write_python(root: Path, name: str, scheduling: str, events: Path) -> None:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.yaml").write_text(COMMON + scheduling)
+    code = MODEL_CODE.format(events=str(events), refusal=REFUSAL)
+    (root / name / "1" / "model.py").write_text(textwrap.dedent(code).lstrip())
+
+
+def write_repository(kind: str, root: Path, events: Path) -> None:
+    """The kind's repository: ``conf`` computing ``Y = 2 X`` through the kind's runner."""
+    if kind == "ensemble":
+        write_python(root, STEP, SCHEDULING["batching"], events)
+        (root / MODEL).mkdir(parents=True)
+        (root / MODEL / "1").mkdir()
+        (root / MODEL / "config.yaml").write_text(ENSEMBLE_CONFIG)
+    else:
+        write_python(root, MODEL, SCHEDULING[kind], events)
+
+
+_sequence_ids = itertools.count(7001)
+_tags = itertools.count(1)
+
+
+@dataclass
+class Kind:
+    """One runner kind behind its own server."""
+
+    name: str
+    server: InProcessServer
+    events: Path
+    http: httpx.Client
+    #: The model whose instance runs the rows (the step model for the ensemble).
+    runs_on: str
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def body(self, x: np.ndarray, **parameters: Any) -> dict:
+        """The V2 request of rows ``x``; for the sequence kind a sequence of its own (a
+        sequence-batching model refuses a request without ``sequence_id``)."""
+        if self.name == "sequence":
+            parameters = {
+                "sequence_id": next(_sequence_ids),
+                "sequence_start": True,
+                "sequence_end": True,
+                **parameters,
+            }
+        body: dict[str, Any] = {
+            "inputs": [
+                {
+                    "name": "X",
+                    "datatype": "FP32",
+                    "shape": list(x.shape),
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
+        if parameters:
+            body["parameters"] = parameters
+        return body
+
+    def infer(self, x: np.ndarray, timeout_s: float = 30.0, **parameters: Any) -> httpx.Response:
+        return self.http.post(
+            f"/v2/models/{MODEL}/infer", json=self.body(x, **parameters), timeout=timeout_s
+        )
+
+    def stats(self) -> dict:
+        answer = self.http.get(f"/v2/models/{MODEL}/stats")
+        assert answer.status_code == 200, answer.text
+        return answer.json()["model_stats"][0]
+
+    def event(self, name: str) -> Path:
+        return self.events / name
+
+
+def rows(*first: float, tag: int = 0) -> np.ndarray:
+    """One row per value of ``first``: [value, tag, 3, 4]."""
+    return np.array([[v, float(tag), 3.0, 4.0] for v in first], dtype=np.float32)
+
+
+def error_of(answer: httpx.Response) -> str:
+    try:
+        return str(answer.json().get("error", answer.text))
+    except ValueError:
+        return answer.text
+
+
+def y_of(answer: httpx.Response) -> np.ndarray:
+    assert answer.status_code == 200, (answer.status_code, answer.text)
+    out = next(o for o in answer.json()["outputs"] if o["name"] == "Y")
+    return np.array(out["data"], dtype=np.float32).reshape(out["shape"])
+
+
+def requests_total(url: str, outcome: str, reason: str = "") -> float:
+    """``gpuserve_requests_total`` of ``conf`` version 1 for ``outcome``/``reason``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("gpuserve_requests_total")]
+    wanted = {"model": MODEL, "version": "1", "outcome": outcome, "reason": reason}
+    total = 0.0
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+        for sample in family.samples:
+            if sample.name == "gpuserve_requests_total" and sample.labels == wanted:
+                total += sample.value
+    return total
+
+
+def snapshot(connections: set) -> set:
+    """A copy of the listener's connection set (changed by the server's loop thread)."""
+    while True:
+        try:
+            return set(connections)
+        except RuntimeError:  # changed size during the copy
+            continue
+
+
+def failures(kind: Kind, reason: str) -> int:
+    return int(kind.stats()["failure_reasons"].get(reason, 0))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Kind]:
+    name = str(request.param)
+    base = tmp_path_factory.mktemp(f"conformance_{name}")
+    events = base / "events"
+    events.mkdir()
+    write_repository(name, base / "repo", events)
+    running = InProcessServer(base / "repo", model_control_mode="explicit", load_model=["*"])
+    with httpx.Client(base_url=running.url, timeout=30.0) as http:
+        try:
+            yield Kind(name, running, events, http, STEP if name == "ensemble" else MODEL)
+        finally:
+            running.stop()
+
+
+class Slow:
+    """A request holding the kind's instance (marker -3) until :meth:`release`; sent on a
+    thread, its answer in :attr:`answer`."""
+
+    def __init__(self, kind: Kind, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self.kind = kind
+        self.tag = next(_tags)
+        self.answer = pool.submit(kind.infer, rows(-3.0, tag=self.tag))
+        started = kind.event(f"started-{self.tag}")
+        wait_until(
+            lambda: started.exists() or self.answer.done(),
+            10,
+            f"{kind.name}: the slow request started on the instance",
+        )
+        assert not self.answer.done(), self.answer.result().text
+
+    def release(self) -> None:
+        self.kind.event(f"release-{self.tag}").touch()
+
+    def result(self) -> httpx.Response:
+        self.release()
+        return self.answer.result(30)
+
+
+@pytest.fixture()
+def pool() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
+        yield threads
+
+
+# -- 1. admission --------------------------------------------------------------------------
+
+
+def test_a_wrong_datatype_is_400_naming_the_input(kind: Kind):
+    body: dict[str, Any] = {
+        "inputs": [{"name": "X", "datatype": "INT32", "shape": [1, 4], "data": [1, 2, 3, 4]}]
+    }
+    if kind.name == "sequence":
+        body["parameters"] = {
+            "sequence_id": next(_sequence_ids),
+            "sequence_start": True,
+            "sequence_end": True,
+        }
+    answer = kind.http.post(f"/v2/models/{MODEL}/infer", json=body)
+    assert answer.status_code == 400, answer.text
+    error = error_of(answer)
+    assert "'X'" in error and "INT32" in error, error
+    np.testing.assert_array_equal(y_of(kind.infer(rows(1.0))), rows(1.0) * 2)
+
+
+def test_the_models_admission_step_refuses_with_400_and_its_message(kind: Kind):
+    # through the ensemble too: the step request enters conf_step's runner, which runs the
+    # step model's admission step (the ensemble's message names the step around it)
+    answer = kind.infer(rows(-1.0))
+    error = error_of(answer)
+    assert answer.status_code == 400, (answer.status_code, error)
+    assert REFUSAL in error, error
+    if kind.name == "ensemble":
+        assert f"model '{STEP}'" in error, error
+    np.testing.assert_array_equal(y_of(kind.infer(rows(5.0))), rows(5.0) * 2)
+
+
+# -- 2. output checks ------------------------------------------------------------------------
+
+
+def test_an_output_of_the_wrong_shape_is_500_naming_the_model_and_output(kind: Kind):
+    answer = kind.infer(rows(-2.0))
+    error = error_of(answer)
+    assert answer.status_code == 500, (answer.status_code, answer.text)
+    assert f"'{kind.runs_on}'" in error and "'Y'" in error, error
+    np.testing.assert_array_equal(y_of(kind.infer(rows(6.0))), rows(6.0) * 2)
+
+
+# -- 3. cancel -------------------------------------------------------------------------------
+
+
+def test_a_client_that_gives_up_while_queued_is_counted_cancelled_and_never_runs(
+    kind: Kind, pool: concurrent.futures.ThreadPoolExecutor
+):
+    cancelled_before = failures(kind, "cancelled")
+    metric_before = requests_total(kind.url, "failure", "cancelled")
+    slow = Slow(kind, pool)
+    tag = next(_tags)
+    try:
+        connections = kind.server.server.http.connections
+        known = snapshot(connections)
+        with httpx.Client(base_url=kind.url) as impatient:
+            # queued behind the slow request; the client gives up and closes its connection
+            with pytest.raises(httpx.TimeoutException):
+                impatient.post(
+                    f"/v2/models/{MODEL}/infer", json=kind.body(rows(-4.0, tag=tag)), timeout=0.5
+                )
+        # The server reads a request's connection state when its batch forms (BC-11), and
+        # learns of the close a loop iteration or two after the FIN: release the slow request
+        # only once the impatient connection is gone on the server's side, else its batch may
+        # form first and run it (a race of the test, not a runner's fault).
+        wait_until(
+            lambda: not (snapshot(connections) - known),
+            10,
+            f"{kind.name}: the server saw the impatient client's connection close",
+        )
+    finally:
+        first = slow.result()
+    assert first.status_code == 200, first.text
+    try:
+        wait_until(lambda: failures(kind, "cancelled") > cancelled_before, 10, "counted")
+    except AssertionError:
+        stats = kind.stats()
+        raise AssertionError(
+            f"{kind.name}: the abandoned request is not counted as cancelled in /stats after "
+            f"10 s (ran: {kind.event(f'ran-{tag}').exists()}, inference_count "
+            f"{stats['inference_count']}, failure_reasons {stats['failure_reasons']})"
+        ) from None
+    assert failures(kind, "cancelled") == cancelled_before + 1
+    assert requests_total(kind.url, "failure", "cancelled") == metric_before + 1
+    assert not kind.event(f"ran-{tag}").exists(), "the abandoned request ran"
+    np.testing.assert_array_equal(y_of(kind.infer(rows(7.0))), rows(7.0) * 2)
+
+
+# -- 4. queue timeout ------------------------------------------------------------------------
+
+
+def test_a_queued_request_past_its_timeout_fails_with_the_queue_timeout_status(
+    kind: Kind, pool: concurrent.futures.ThreadPoolExecutor
+):
+    # every kind queues: the batchers, the decoupled executor's FIFO, and (for the ensemble)
+    # the step model's batcher, which takes the ensemble request's timeout
+    timeouts_before = failures(kind, "timeout")
+    slow = Slow(kind, pool)
+    tag = next(_tags)
+    try:
+        timed = pool.submit(kind.infer, rows(-4.0, tag=tag), 30.0, timeout=1000)  # 1 ms
+        # the timeout is the longest it may wait: it is answered while the instance is busy
+        concurrent.futures.wait([timed], timeout=5)
+        answered_while_busy = timed.done()
+    finally:
+        first = slow.result()
+    answer = timed.result(30)
+    assert first.status_code == 200, first.text
+    error = error_of(answer)
+    assert answer.status_code == QUEUE_TIMEOUT_STATUS, (answer.status_code, error)
+    assert "queue" in error, error  # "timed out in the queue" / "the queue timeout passed"
+    assert failures(kind, "timeout") == timeouts_before + 1
+    assert not kind.event(f"ran-{tag}").exists(), "the timed-out request ran"
+    assert answered_while_busy, (
+        f"{kind.name}: a request with a 1 ms queue timeout was answered only when the "
+        "instance became free"
+    )
+    np.testing.assert_array_equal(y_of(kind.infer(rows(8.0))), rows(8.0) * 2)
+
+
+# -- 6. statistics ---------------------------------------------------------------------------
+
+
+def test_statistics_count_three_successful_requests(kind: Kind):
+    before = kind.stats()
+    for value in (1.0, 2.0, 3.0):
+        np.testing.assert_array_equal(y_of(kind.infer(rows(value))), rows(value) * 2)
+    after = kind.stats()  # for the ensemble: the ensemble's own statistics
+    assert after["inference_count"] - before["inference_count"] == 3
+    success = after["inference_stats"]["success"]["count"]
+    assert success - before["inference_stats"]["success"]["count"] == 3
+    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"]
+
+
+# -- 7. metrics ------------------------------------------------------------------------------
+
+
+def test_metrics_count_the_requests_of_the_model(kind: Kind):
+    success_before = requests_total(kind.url, "success")
+    invalid_before = requests_total(kind.url, "failure", "invalid")
+    for value in (1.0, 2.0, 3.0):
+        assert kind.infer(rows(value)).status_code == 200
+    assert kind.infer(rows(-1.0)).status_code == 400
+    assert requests_total(kind.url, "success") == success_before + 3
+    assert requests_total(kind.url, "failure", "invalid") == invalid_before + 1
+
+
+# -- 5. drain on unload (last: it unloads and loads conf again) ------------------------------
+
+
+def test_unload_lets_a_running_request_finish_and_refuses_new_ones(
+    kind: Kind, pool: concurrent.futures.ThreadPoolExecutor
+):
+    slow = Slow(kind, pool)
+    unloaded: concurrent.futures.Future[httpx.Response] | None = None
+    try:
+        # returns once the version has drained and its instances stopped
+        unloaded = pool.submit(kind.http.post, f"/v2/repository/models/{MODEL}/unload")
+        wait_until(
+            lambda: kind.http.get(f"/v2/models/{MODEL}/ready").status_code != 200,
+            10,
+            f"{kind.name}: conf reads as not ready while it unloads",
+        )
+        during = kind.infer(rows(9.0))
+        assert during.status_code == 503 or 400 <= during.status_code < 500, during.text
+        assert not unloaded.done(), "the unload returned before the running request finished"
+    finally:
+        first = slow.result()
+    assert first.status_code == 200, first.text
+    np.testing.assert_array_equal(y_of(first)[:, 0], [-6.0])
+    assert unloaded is not None
+    assert unloaded.result(30).status_code == 200, unloaded.result().text
+    after = kind.infer(rows(9.0))
+    assert after.status_code == 503 or 400 <= after.status_code < 500, after.text
+    loaded = kind.http.post(f"/v2/repository/models/{MODEL}/load", timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    np.testing.assert_array_equal(y_of(kind.infer(rows(10.0))), rows(10.0) * 2)
