@@ -23,6 +23,7 @@ see numpy arrays.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +32,13 @@ import numpy as np
 
 from gpuserve.backends import tensors as _tensors
 from gpuserve.config import ModelConfig
+from gpuserve.config.reshape import uses_reshape
+from gpuserve.datatypes import numpy_dtype
 from gpuserve.engine.batch import Outputs, Pending
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.errors import BackendError, GpuserveError
+
+logger = logging.getLogger(__name__)
 
 #: Non-batch shape of every input, by name: requests with equal keys can share a batch.
 ShapeKey = tuple[tuple[str, tuple[int, ...]], ...]
@@ -54,17 +59,27 @@ class OutputSpec:
         names: Declared output names, in config order: what a request gets when it names none.
         batched: Whether the model batches (``max_batch_size > 0``): outputs then have the batch
             dimension first and are split by rows; otherwise the one request gets them whole.
+        shapes: Per declared output, the shape the model must return without the batch
+            dimension (its ``reshape`` when it has one, else its dims; ``-1`` any size).
+        dtypes: Per declared output, its numpy dtype (None for BYTES: any bytes or str).
     """
 
     model: str
     names: tuple[str, ...]
     batched: bool
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[np.dtype | None, ...] = ()
 
     @classmethod
     def of(cls, config: ModelConfig) -> OutputSpec:
         """The spec of the model ``config`` describes."""
+        outputs = config.outputs
         return cls(
-            config.name or "", tuple(o.name for o in config.outputs), config.max_batch_size > 0
+            config.name or "",
+            tuple(o.name for o in outputs),
+            config.max_batch_size > 0,
+            tuple(tuple(o.reshape if uses_reshape(o) else o.shape) for o in outputs),  # type: ignore[arg-type]
+            tuple(None if o.datatype == "BYTES" else numpy_dtype(o.datatype) for o in outputs),
         )
 
 
@@ -134,12 +149,17 @@ def stack_inputs(items: Sequence[Pending]) -> dict[str, np.ndarray]:
     return stacked
 
 
-def check_outputs(spec: OutputSpec, outputs: Mapping[str, np.ndarray], rows: int) -> None:
-    """Check that ``outputs`` holds every declared output and, for a batching model, ``rows``
-    rows in each.
+def check_outputs(spec: OutputSpec, outputs: dict[str, Any], rows: int) -> None:
+    """Check ``outputs`` against the model's declared outputs: every one present, each with
+    ``rows`` rows (a batching model), its declared shape (``-1`` any size) and datatype. A
+    numpy output of another datatype is converted in place when every value survives the
+    conversion exactly (an int64 array of small ints for INT32, float64 that float32 holds
+    exactly), and refused otherwise.
 
     Raises:
-        OutputMismatch: an output is missing, is a scalar, or has another number of rows.
+        OutputMismatch: an output is missing, is a scalar, has another number of rows,
+            another shape (naming the model, the output, the shape received and the one
+            declared, batch dimension first) or a datatype it cannot be converted from.
     """
     missing = [name for name in spec.names if name not in outputs]
     if missing:
@@ -147,17 +167,92 @@ def check_outputs(spec: OutputSpec, outputs: Mapping[str, np.ndarray], rows: int
             f"model '{spec.model}' did not return output(s) {missing}; "
             f"it returned {sorted(outputs)}"
         )
-    if not spec.batched:
-        return
-    for name in spec.names:
+    batched = spec.batched
+    checks = zip(spec.names, spec.shapes, spec.dtypes, strict=False) if spec.shapes else ()
+    for name, declared, dtype in checks:
         array = outputs[name]
-        got = array.shape[0] if array.ndim else None
-        if got != rows:
-            got_text = "a scalar" if got is None else f"{got} rows"
-            raise OutputMismatch(
-                f"model '{spec.model}' returned {got_text} in output '{name}' "
-                f"for a batch of {rows} rows"
+        shape = array.shape
+        if batched:
+            got = shape[0] if len(shape) else None
+            if got != rows:
+                got_text = "a scalar" if got is None else f"{got} rows"
+                raise OutputMismatch(
+                    f"model '{spec.model}' returned {got_text} in output '{name}' "
+                    f"for a batch of {rows} rows"
+                )
+            rest = shape[1:]
+        else:
+            rest = shape
+        if len(rest) != len(declared) or any(
+            d != -1 and d != n for d, n in zip(declared, rest, strict=True)
+        ):
+            raise _shape_mismatch(spec, name, tuple(shape), declared)
+        if dtype is not None and type(array) is np.ndarray and array.dtype != dtype:
+            outputs[name] = _converted(spec, name, array, dtype)
+    if not spec.shapes and batched:  # a spec without declared shapes: rows only
+        for name in spec.names:
+            array = outputs[name]
+            got = array.shape[0] if array.ndim else None
+            if got != rows:
+                got_text = "a scalar" if got is None else f"{got} rows"
+                raise OutputMismatch(
+                    f"model '{spec.model}' returned {got_text} in output '{name}' "
+                    f"for a batch of {rows} rows"
+                )
+
+
+def check_sent(spec: OutputSpec, outputs: dict[str, Any]) -> None:
+    """Check the outputs of one response a decoupled model sent: each one it sent has its
+    declared shape (any number of rows when the model batches) and datatype (converted in
+    place when exact, as :func:`check_outputs`); a response may carry a subset.
+
+    Raises:
+        OutputMismatch: as :func:`check_outputs`.
+    """
+    for name, declared, dtype in zip(spec.names, spec.shapes, spec.dtypes, strict=False):
+        array = outputs.get(name)
+        if array is None:
+            continue
+        shape = tuple(array.shape)
+        rest = shape[1:] if spec.batched else shape
+        if (spec.batched and not shape) or len(rest) != len(declared) or any(
+            d != -1 and d != n for d, n in zip(declared, rest, strict=True)
+        ):
+            raise _shape_mismatch(spec, name, shape, declared)
+        if dtype is not None and type(array) is np.ndarray and array.dtype != dtype:
+            outputs[name] = _converted(spec, name, array, dtype)
+
+
+def _shape_mismatch(
+    spec: OutputSpec, name: str, shape: tuple[int, ...], declared: tuple[int, ...]
+) -> OutputMismatch:
+    expected = [-1, *declared] if spec.batched else list(declared)
+    error = OutputMismatch(
+        f"model '{spec.model}' returned output '{name}' of shape {list(shape)}; "
+        f"its config declares {expected}"
+    )
+    logger.error("%s", error.message)
+    return error
+
+
+def _converted(spec: OutputSpec, name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``array`` as ``dtype`` when the conversion keeps every value; else OutputMismatch."""
+    try:
+        with np.errstate(all="ignore"):
+            converted = array.astype(dtype)
+            exact = array.dtype.kind not in "OSUV" and np.array_equal(
+                converted.astype(array.dtype), array, equal_nan=array.dtype.kind in "fc"
             )
+    except (TypeError, ValueError):
+        exact = False
+    if not exact:
+        error = OutputMismatch(
+            f"model '{spec.model}' returned output '{name}' as {array.dtype}; its config "
+            f"declares {dtype} and the values do not convert exactly"
+        )
+        logger.error("%s", error.message)
+        raise error
+    return converted
 
 
 def split_outputs(

@@ -5,8 +5,9 @@ instance's backend (``backend.stream(inputs, sink)``, see :mod:`gpuserve.backend
 on a thread of its own, which holds that instance until ``stream`` returns (a generator's
 whole run; a Triton ``execute`` that hands its response sender to a thread of its own frees
 the instance sooner). Requests beyond the free instances wait in a FIFO bounded by
-``dynamic_batching.max_queue_size`` (429 beyond it); a request whose queue timeout passed
-before an instance freed fails with 504; one whose client went away is dropped before it runs.
+``dynamic_batching.max_queue_size`` (429 beyond it); a request whose queue timeout passes
+fails at its deadline with a queue timeout (503); one whose client went away is dropped
+before it runs.
 
 **Batches of streams**: with ``dynamic_batching`` and ``max_batch_size > 0``, and backends that
 run several requests in one call (``streams_batches``: Triton's ``execute(requests)``), the
@@ -52,6 +53,7 @@ import numpy as np
 from gpuserve.backends.python import to_numpy_dict
 from gpuserve.backends.streaming import StreamCall
 from gpuserve.config import ModelConfig
+from gpuserve.engine.assembly import OutputSpec, check_sent
 from gpuserve.engine.decoupled_batching import StreamBatcher, batches_streams
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.response_stats import ResponseOutcome
@@ -174,6 +176,7 @@ class DecoupledExecutor:
         self.active = 0
         self.streaming = 0
         self._declared = {t.name for t in self.config.outputs}
+        self._spec = OutputSpec.of(config)
         # Held directly (it references nothing): counting a response is on the hot path.
         self._responses = host.stats.responses
         self.batcher: StreamBatcher[StreamJob] | None = None
@@ -256,18 +259,33 @@ class DecoupledExecutor:
             self._dispatch_batches(self.batcher)
             return
         instances = self.host.instances
+        now = self.clock()
+        if any(j.deadline_s is not None and now > j.deadline_s for j in self._waiting):
+            # answered at its deadline, not when an instance frees (a stream may run long)
+            late = [j for j in self._waiting if j.deadline_s is not None and now > j.deadline_s]
+            self._waiting = deque(j for j in self._waiting if j not in late)
+            for job in late:
+                if not job.channel.is_cancelled():
+                    self._timed_out(job)
         while self._waiting:
             index = self._free_instance(instances)
             if index is None:
-                return
+                break
             job = self._waiting.popleft()
             if job.channel.is_cancelled():
                 continue  # counted by the channel's on_done
-            now = self.clock()
-            if job.deadline_s is not None and now > job.deadline_s:
-                self._timed_out(job)
-                continue
             self._start([job], instances[index], index, now)
+        self._arm_deadline(now)
+
+    def _arm_deadline(self, now: float) -> None:
+        """One timer at the earliest queue deadline of the waiting streams (none without)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadlines = [j.deadline_s for j in self._waiting if j.deadline_s is not None]
+        if deadlines and not self.loop.is_closed():
+            wake = min(deadlines)
+            self._timer = self.loop.call_later(max(0.0, wake - now) + 1e-4, self._on_timer)
 
     def _dispatch_batches(self, batcher: StreamBatcher[StreamJob]) -> None:
         """Start the due batches on the free instances; then arm the timer for the next
@@ -390,6 +408,7 @@ class DecoupledExecutor:
                 f"model '{self.name}' sent output(s) {unknown} it does not declare "
                 f"(outputs: {sorted(self._declared)})"
             )
+        check_sent(self._spec, arrays)  # declared shape and datatype, as every path
         wanted = request.requested_outputs
         if wanted is not None:
             arrays = {name: array for name, array in arrays.items() if name in wanted}

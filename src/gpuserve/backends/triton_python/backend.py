@@ -54,6 +54,7 @@ from gpuserve.backends.python import PythonBackend
 from gpuserve.backends.streaming import ResponseSink, StreamCall
 from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
+from gpuserve.config.reshape import uses_reshape
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 from gpuserve.repository.triton_model_config import triton_model_config_dict
@@ -149,6 +150,7 @@ class TritonPythonRunner(Backend):
         self.batched = False
         self.inputs: list[str] = []
         self.outputs: list[tuple[str, np.dtype]] = []
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
         self.name = ""
         self.caller: Any = None
 
@@ -157,6 +159,11 @@ class TritonPythonRunner(Backend):
         self.batched = config.max_batch_size > 0
         self.inputs = [t.name for t in config.inputs]
         self.outputs = [(t.name, numpy_dtype(t.datatype)) for t in config.outputs]
+        # the shape each declared output must have in a response (the model's reshape)
+        self.shapes = [
+            (t.name, tuple(t.reshape if uses_reshape(t) and t.reshape else t.shape))
+            for t in config.outputs
+        ]
         if config.sequence_batching is not None:  # implicit state comes back as outputs
             states = config.sequence_batching.states
             self.outputs += [(s.output_name, numpy_dtype(s.datatype)) for s in states]
@@ -210,12 +217,15 @@ class TritonPythonRunner(Backend):
                 errors[index] = problem
             per_row.append(arrays)
         outputs: dict[str, np.ndarray] = {}
+        declared = dict(self.shapes)
         for name, dtype in self.outputs:
             good = [row[name] for index, row in enumerate(per_row) if index not in errors]
+            # a failed row's place holds zeros of the declared shape (-1: one element)
+            blank = tuple(1 if d == -1 else d for d in declared.get(name, ()))
             if not self.batched:
-                outputs[name] = good[0] if good else np.zeros((), dtype=dtype)
+                outputs[name] = good[0] if good else np.zeros(blank, dtype=dtype)
                 continue
-            filler = np.zeros_like(good[0]) if good else np.zeros((1,), dtype=dtype)
+            filler = np.zeros_like(good[0]) if good else np.zeros((1, *blank), dtype=dtype)
             rows = [filler if index in errors else row[name] for index, row in enumerate(per_row)]
             try:
                 outputs[name] = np.concatenate(rows, axis=0)
@@ -241,6 +251,17 @@ class TritonPythonRunner(Backend):
             for name, _ in self.outputs:
                 if arrays[name].ndim == 0:
                     arrays[name] = arrays[name].reshape(1)
+        for name, declared in self.shapes:  # each response is its own request's
+            shape = arrays[name].shape
+            rest = shape[1:] if self.batched else shape
+            if len(rest) != len(declared) or any(
+                d != -1 and d != n for d, n in zip(declared, rest, strict=True)
+            ):
+                expected = [-1, *declared] if self.batched else list(declared)
+                return arrays, (
+                    f"the response has output '{name}' of shape {list(shape)}; its config "
+                    f"declares {expected}"
+                )
         return arrays, None
 
     def capabilities(self) -> Capabilities:
