@@ -453,7 +453,6 @@ def test_unloading_a_model_lets_its_running_stream_finish():
     try:
         loaded = httpx.post(f"{running.url}/v2/repository/models/counter/load", timeout=60)
         assert loaded.status_code == 200, loaded.text
-        scheduler = running.manager.runner("counter", None)
         unloaded: list[tuple[httpx.Response, float]] = []
         body = {"COUNT": 300, "PAD": 65536, "TAG": 7}
         with (
@@ -471,7 +470,11 @@ def test_unloading_a_model_lets_its_running_stream_finish():
             worker = threading.Thread(target=unload)
             worker.start()
             # the version stops taking requests while the stream is blocked on its reader
-            wait_until(lambda: not scheduler.core.accepting, 30.0, "the unload began")
+            wait_until(
+                lambda: httpx.get(f"{running.url}/v2/models/counter/ready").status_code != 200,
+                30.0,
+                "the unload began",
+            )
             refused = httpx.post(
                 f"{running.url}/v2/models/counter/generate_stream", json={"COUNT": 1}
             )

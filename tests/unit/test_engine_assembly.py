@@ -111,4 +111,31 @@ def test_spec_from_config():
             TensorSpec(name="B", datatype="FP32", shape=[1]),
         ],
     )
-    assert OutputSpec.of(config) == OutputSpec("m", ("A", "B"), batched=False)
+    f32 = np.dtype(np.float32)
+    assert OutputSpec.of(config) == OutputSpec(
+        "m", ("A", "B"), batched=False, shapes=((2,), (1,)), dtypes=(f32, f32)
+    )
+
+
+def declared(**extra) -> OutputSpec:
+    return OutputSpec(
+        "m", ("Y",), batched=True, shapes=((-1, 4),), dtypes=(np.dtype(np.float32),), **extra
+    )
+
+
+def test_outputs_are_checked_against_the_declared_shape_and_datatype():
+    spec = declared()
+    check_outputs(spec, {"Y": np.zeros((2, 7, 4), np.float32)}, 2)  # -1: any size
+    with pytest.raises(OutputMismatch, match=r"output 'Y' of shape \[2, 3\]; its config declares \[-1, -1, 4\]"):
+        check_outputs(spec, {"Y": np.zeros((2, 3), np.float32)}, 2)
+    with pytest.raises(OutputMismatch, match="of shape"):
+        check_outputs(spec, {"Y": np.zeros((2, 1, 5), np.float32)}, 2)
+    exact = {"Y": np.ones((1, 2, 4), np.float64)}
+    check_outputs(spec, exact, 1)
+    assert exact["Y"].dtype == np.float32  # converted: every value survives
+    with pytest.raises(OutputMismatch, match="as float64; its config declares float32"):
+        check_outputs(spec, {"Y": np.full((1, 2, 4), 0.1, np.float64)}, 1)
+    nan = {"Y": np.full((1, 1, 4), np.nan, np.float64)}
+    check_outputs(spec, nan, 1)  # NaN converts exactly
+    bytes_spec = OutputSpec("m", ("T",), batched=False, shapes=((1,),), dtypes=(None,))
+    check_outputs(bytes_spec, {"T": np.array([b"a"], dtype=object)}, 1)
