@@ -363,12 +363,11 @@ def test_a_client_that_gives_up_while_queued_is_counted_cancelled_and_never_runs
     try:
         connections = kind.server.server.http.connections
         known = snapshot(connections)
-        with httpx.Client(base_url=kind.url) as impatient:
-            # queued behind the slow request; the client gives up and closes its connection
-            with pytest.raises(httpx.TimeoutException):
-                impatient.post(
-                    f"/v2/models/{MODEL}/infer", json=kind.body(rows(-4.0, tag=tag)), timeout=0.5
-                )
+        # queued behind the slow request; the client gives up and closes its connection
+        with httpx.Client(base_url=kind.url) as impatient, pytest.raises(httpx.TimeoutException):
+            impatient.post(
+                f"/v2/models/{MODEL}/infer", json=kind.body(rows(-4.0, tag=tag)), timeout=0.5
+            )
         # The server reads a request's connection state when its batch forms (BC-11), and
         # learns of the close a loop iteration or two after the FIN: release the slow request
         # only once the impatient connection is gone on the server's side, else its batch may

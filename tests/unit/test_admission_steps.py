@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuserve.backends.base import Admitted, Backend
+from gpuserve.backends.base import Admitted, Backend, Capabilities
 from gpuserve.config import ModelConfig, ServerConfig, TensorSpec
+from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.request import InferenceRequest, RequestCost
-from gpuserve.backends.base import Capabilities
 from gpuserve.engine.runners.batching import BatchingRunner
 from gpuserve.errors import BackendError, InvalidInputError, OverloadedError
 from gpuserve.repository.manager import Model, ModelManager, ModelVersion, Route, VersionState
-from gpuserve.engine.admission import AdmissionPool
 from gpuserve.service.inference import InferenceService
 
 
@@ -94,7 +93,8 @@ def service_for(backend: object, **settings) -> tuple[InferenceService, ModelVer
     server = ServerConfig(model_repository=Path("/nonexistent"), **settings)
     service = InferenceService(manager, server)
     instance = RecordingInstance(backend)
-    instance.capabilities = backend.capabilities() if hasattr(backend, "capabilities") else Capabilities()
+    has = hasattr(backend, "capabilities")
+    instance.capabilities = backend.capabilities() if has else Capabilities()
     mv.runner = BatchingRunner(cfg, "1", instance.capabilities, service.admission_pool)
     mv.runner.instances = [instance]
     return service, mv

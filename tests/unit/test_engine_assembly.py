@@ -126,7 +126,8 @@ def declared(**extra) -> OutputSpec:
 def test_outputs_are_checked_against_the_declared_shape_and_datatype():
     spec = declared()
     check_outputs(spec, {"Y": np.zeros((2, 7, 4), np.float32)}, 2)  # -1: any size
-    with pytest.raises(OutputMismatch, match=r"output 'Y' of shape \[2, 3\]; its config declares \[-1, -1, 4\]"):
+    shape = r"output 'Y' of shape \[2, 3\]; its config declares \[-1, -1, 4\]"
+    with pytest.raises(OutputMismatch, match=shape):
         check_outputs(spec, {"Y": np.zeros((2, 3), np.float32)}, 2)
     with pytest.raises(OutputMismatch, match="of shape"):
         check_outputs(spec, {"Y": np.zeros((2, 1, 5), np.float32)}, 2)

@@ -32,9 +32,9 @@ from gpuserve.engine.assembly import (
 from gpuserve.engine.batch import Pending
 from gpuserve.engine.ensemble import EnsemblePlan
 from gpuserve.engine.ensemble_handoff import StepPlacement, kept_outputs, placement_of
-from gpuserve.engine.runners.ensemble import EnsembleRunner
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.runners.base import VersionRunner
+from gpuserve.engine.runners.ensemble import EnsembleRunner
 
 PATH = Path("repo/ens/config.yaml")
 

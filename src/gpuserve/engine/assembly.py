@@ -60,14 +60,15 @@ class OutputSpec:
         batched: Whether the model batches (``max_batch_size > 0``): outputs then have the batch
             dimension first and are split by rows; otherwise the one request gets them whole.
         shapes: Per declared output, the shape the model must return without the batch
-            dimension (its ``reshape`` when it has one, else its dims; ``-1`` any size).
+            dimension (``-1`` any size), or None for an output with a ``reshape`` (the
+            reshape at completion checks it: :class:`~gpuserve.engine.reshape.ReshapeSpec`).
         dtypes: Per declared output, its numpy dtype (None for BYTES: any bytes or str).
     """
 
     model: str
     names: tuple[str, ...]
     batched: bool
-    shapes: tuple[tuple[int, ...], ...] = ()
+    shapes: tuple[tuple[int, ...] | None, ...] = ()
     dtypes: tuple[np.dtype | None, ...] = ()
 
     @classmethod
@@ -78,7 +79,7 @@ class OutputSpec:
             config.name or "",
             tuple(o.name for o in outputs),
             config.max_batch_size > 0,
-            tuple(tuple(o.reshape if uses_reshape(o) else o.shape) for o in outputs),  # type: ignore[arg-type]
+            tuple(None if uses_reshape(o) else tuple(o.shape) for o in outputs),
             tuple(None if o.datatype == "BYTES" else numpy_dtype(o.datatype) for o in outputs),
         )
 
@@ -183,9 +184,7 @@ def check_outputs(spec: OutputSpec, outputs: dict[str, Any], rows: int) -> None:
             rest = shape[1:]
         else:
             rest = shape
-        if len(rest) != len(declared) or any(
-            d != -1 and d != n for d, n in zip(declared, rest, strict=True)
-        ):
+        if declared is not None and not _fits(rest, declared):
             raise _shape_mismatch(spec, name, tuple(shape), declared)
         if dtype is not None and type(array) is np.ndarray and array.dtype != dtype:
             outputs[name] = _converted(spec, name, array, dtype)
@@ -215,12 +214,19 @@ def check_sent(spec: OutputSpec, outputs: dict[str, Any]) -> None:
             continue
         shape = tuple(array.shape)
         rest = shape[1:] if spec.batched else shape
-        if (spec.batched and not shape) or len(rest) != len(declared) or any(
-            d != -1 and d != n for d, n in zip(declared, rest, strict=True)
-        ):
+        if spec.batched and not shape:
+            raise _shape_mismatch(spec, name, shape, declared or ())
+        if declared is not None and not _fits(rest, declared):
             raise _shape_mismatch(spec, name, shape, declared)
         if dtype is not None and type(array) is np.ndarray and array.dtype != dtype:
             outputs[name] = _converted(spec, name, array, dtype)
+
+
+def _fits(shape: Sequence[int], declared: tuple[int, ...]) -> bool:
+    """Whether ``shape`` is ``declared`` (``-1``: any size)."""
+    return len(shape) == len(declared) and all(
+        d == -1 or d == n for d, n in zip(declared, shape, strict=True)
+    )
 
 
 def _shape_mismatch(

@@ -159,11 +159,9 @@ class TritonPythonRunner(Backend):
         self.batched = config.max_batch_size > 0
         self.inputs = [t.name for t in config.inputs]
         self.outputs = [(t.name, numpy_dtype(t.datatype)) for t in config.outputs]
-        # the shape each declared output must have in a response (the model's reshape)
-        self.shapes = [
-            (t.name, tuple(t.reshape if uses_reshape(t) and t.reshape else t.shape))
-            for t in config.outputs
-        ]
+        # the shape each declared output must have in a response (an output with a reshape
+        # is checked when the engine reshapes it)
+        self.shapes = [(t.name, tuple(t.shape)) for t in config.outputs if not uses_reshape(t)]
         if config.sequence_batching is not None:  # implicit state comes back as outputs
             states = config.sequence_batching.states
             self.outputs += [(s.output_name, numpy_dtype(s.datatype)) for s in states]
