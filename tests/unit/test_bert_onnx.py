@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from gpuserve.backends.loader import import_module_from_path
-from gpuserve.config import default_model_repository
 from gpuserve.models import bert_onnx
 from gpuserve.models.bert_onnx import cache_root, graph_key, length_groups
 from gpuserve.models.sentence_embedding import SentenceEmbedder
@@ -151,11 +149,9 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path) -> None:
     assert cache_root() == Path.home() / ".cache" / "gpuserve"
 
 
-MODEL_PY = default_model_repository() / "text_embedding" / "1" / "model.py"
-
-
 def test_auto_execution(monkeypatch) -> None:
-    module = import_module_from_path(MODEL_PY, "text_embedding_auto", 1)
+    from gpuserve.models import text_embedding as module
+
     assert module.auto_execution("cpu", "fp32") == "onnxruntime"
     assert module.auto_execution("cuda:0", "fp32") == "torch"
     assert module.auto_execution("cpu", "int8") == "torch"
