@@ -6,10 +6,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
-import time
 
 import httpx
 import pytest
+
+from tests.helpers import wait_until
 
 
 def slow_model_log(server) -> list[float]:
@@ -62,23 +63,26 @@ def test_bc11_disconnected_clients_are_not_run_and_later_requests_succeed(server
         #    behind it and give up after 0.2 s, before it finishes
         scheduler = server.manager.runner("slow_fp32_1s", None)
         blocker = pool.submit(call, url, 999.0, 30)
-        while not (scheduler.instances[0].in_flight == 1 and len(scheduler.batcher) == 0):
-            time.sleep(0.005)
+        wait_until(
+            lambda: scheduler.instances[0].in_flight == 1 and len(scheduler.batcher) == 0,
+            what="the blocker runs alone",
+        )
         impatient = [1000.0 + i for i in range(24)]
         sockets = [send_raw(server.port, tag) for tag in impatient]
-        while len(scheduler.batcher) < 24:
-            time.sleep(0.005)
+        wait_until(lambda: len(scheduler.batcher) >= 24, what="24 impatient requests queued")
         for sock in sockets:  # give up while queued
             sock.close()
         assert blocker.result() == 200
         # 3. the queue empties without running the abandoned requests
-        deadline = time.monotonic() + 5
-        stats = client.get("/v2/models/slow_fp32_1s/stats").json()["model_stats"][0]
-        while time.monotonic() < deadline:
-            time.sleep(0.6)
-            stats = client.get("/v2/models/slow_fp32_1s/stats").json()["model_stats"][0]
-            if stats["failure_reasons"].get("cancelled", 0) >= 24:
-                break
+        seen = []
+
+        def drained() -> bool:  # and nothing runs, so a wrongly run row is in the log
+            seen.append(client.get("/v2/models/slow_fp32_1s/stats").json()["model_stats"][0])
+            idle = len(scheduler.batcher) == 0 and scheduler.instances[0].in_flight == 0
+            return idle and seen[-1]["failure_reasons"].get("cancelled", 0) >= 24
+
+        wait_until(drained, deadline_s=5, what="an idle queue and 24 cancelled in the statistics")
+        stats = seen[-1]
         ran = set(slow_model_log(server))
         assert [t for t in impatient if t in ran] == []
         assert stats["failure_reasons"].get("cancelled", 0) == 24

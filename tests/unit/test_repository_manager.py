@@ -40,6 +40,24 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def until(condition, what: str, deadline_s: float = 10.0) -> None:
+    """``tests.helpers.wait_until`` for this event loop: polls ``condition()`` every 5 ms
+    without blocking the loop; AssertionError after ``deadline_s``."""
+    end = asyncio.get_running_loop().time() + deadline_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < end, f"{what}: not true after {deadline_s} s"
+        await asyncio.sleep(0.005)
+
+
+def serves(manager, name) -> bool:
+    """Whether ``manager.version(name, None)`` still hands out a version (not unloading)."""
+    try:
+        manager.version(name, None)
+    except ModelNotReadyError:
+        return False
+    return True
+
+
 def test_explicit_mode_loads_the_named_models_then_what_the_api_asks(tmp_path):
     repo = make_repository(tmp_path / "repo", "versioned", "double_fp32")
 
@@ -229,13 +247,14 @@ def test_unload_lets_admitted_requests_finish_and_refuses_new_ones(tmp_path):
     async def main():
         manager = ModelManager(repo, control_mode="explicit", load_models=["slow_fp32"])
         await manager.load_all()
+        runner = manager.version("slow_fp32", None).runner
         admitted = [asyncio.create_task(infer(manager, "slow_fp32")) for _ in range(4)]
-        await asyncio.sleep(0.05)
+        await until(lambda: runner.in_flight_requests == 4, "4 requests admitted")
         unload = asyncio.create_task(manager.unload("slow_fp32"))
-        await asyncio.sleep(0.05)
+        await until(lambda: not serves(manager, "slow_fp32"), "the unload started")
         with pytest.raises(ModelNotReadyError, match="UNLOADING"):
             manager.version("slow_fp32", None)
-        assert not unload.done()
+        assert not unload.done()  # draining the admitted ones (slow_fp32: 0.5 s a batch)
         assert await asyncio.gather(*admitted) == [0, 0, 0, 0]  # all ran (2x - x at 0)
         await unload
         assert row(manager, "slow_fp32", 1)["reason"] == "unloaded (unload requested)"
