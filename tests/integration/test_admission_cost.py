@@ -27,7 +27,7 @@ import pytest
 from gpuserve.config.server import default_model_repository
 from gpuserve.text.truncation import CAP_CHARS_PER_TOKEN
 from tests.fixtures.hf_models import minilm_dir
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, wait_until
 
 ADMIT_FAIL = """
 import numpy as np
@@ -193,9 +193,15 @@ def test_bc28_a_2mb_text_is_cut_before_tokenisation_and_a_short_one_is_not_held_
             result["response"] = infer(server.url, "text_embedding", [text])
             result["seconds"] = time.monotonic() - started
 
+        admitted_before = len(admission.chars)
         sender = threading.Thread(target=send_huge)
         sender.start()
-        time.sleep(0.3)
+        # the short one goes once the 2 MB request is in the server (at its admission step)
+        wait_until(
+            lambda: len(admission.chars) > admitted_before or not sender.is_alive(),
+            deadline_s=30,
+            what="the 2 MB request reached the admission step",
+        )
         short_started = time.monotonic()
         short = infer(server.url, "text_embedding", ["a short one"])
         short_s = time.monotonic() - short_started
