@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.fixtures.lifecycle_support import Traffic, infer_body, make_repository
-from tests.helpers import InProcessServer
+from tests.helpers import InProcessServer, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,6 +37,16 @@ def wait_in_flight(server, count: int, futures=(), timeout_s: float = 20.0) -> N
             return
         assert time.monotonic() < end, f"only {admitted} of {count} requests admitted"
         time.sleep(0.01)
+
+
+def wait_answered(traffic: Traffic, code: int, count: int, timeout_s: float = 10.0) -> None:
+    """Wait until ``traffic`` has recorded ``count`` more answers with status ``code``."""
+
+    def answered() -> int:
+        return sum(r.status == code for r in traffic.snapshot())
+
+    target = answered() + count
+    wait_until(lambda: answered() >= target, timeout_s, f"{count} more {code} answers")
 
 
 def write_doubling_torchscript(path) -> None:
@@ -159,7 +169,7 @@ def test_bc17_a_slow_explicit_load_does_not_disturb_what_serves(tmp_path):
                     )
                 )
                 after += done_before
-                time.sleep(0.1)
+                time.sleep(0.1)  # the sampling period of this watch, not a wait for a state
         thread.join()
         assert load_status == [200]
         assert all(s[1:4] == (200, 200, 200) and s[5] == 200 for s in samples), samples
@@ -189,17 +199,17 @@ def test_bc18_unload_load_cycles_under_traffic_answer_every_request_cleanly(tmp_
         ):
             traffic.wait_for(50)
             for _ in range(5):
-                time.sleep(0.4)
+                wait_answered(traffic, 200, 40)  # the loaded version serves the traffic
                 assert client.post(f"{path}/unload").status_code == 200
                 assert status(client, "/v2/models/double_fp32/ready") == 503
-                time.sleep(0.2)
+                wait_answered(traffic, 503, 10)  # the traffic meets the unloaded model
                 assert client.post(f"{path}/load").status_code == 200
                 assert status(client, "/v2/models/double_fp32/ready") == 200
             traffic.wait_for(50)
             for first, second in (("unload", "load"), ("load", "unload")):
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
                     a = pool.submit(client.post, f"{path}/{first}")
-                    time.sleep(0.002)
+                    time.sleep(0.002)  # a stagger, not a wait: either order is accepted below
                     b = pool.submit(client.post, f"{path}/{second}")
                     assert a.result().status_code == 200 and b.result().status_code == 200
                 index = client.post("/v2/repository/index").json()
@@ -228,10 +238,12 @@ def test_bc25_stop_finishes_admitted_requests_and_refuses_new_ones_with_503(tmp_
         admitted = [pool.submit(httpx.post, url, json=infer_body(), timeout=30) for _ in range(10)]
         wait_in_flight(server, 10, admitted)
         server.server.stop()  # what SIGTERM does
+        wait_until(lambda: server.manager.shutting_down, what="the stop reached the server")
         checks = []
         with httpx.Client(base_url=server.url, timeout=10) as client:
-            for _ in range(6):
-                time.sleep(0.2)
+            for look in range(6):
+                if look:  # the next look after 0.2 s, or at once when all are answered
+                    concurrent.futures.wait(admitted, timeout=0.2)
                 if all(f.done() for f in admitted):
                     break
                 try:
