@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import FIXTURE_REPOSITORY
-from tests.helpers import SubprocessServer
+from tests.helpers import SubprocessServer, wait_queue
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +66,8 @@ def test_sigterm_under_load_loses_no_request():
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
     for thread in threads:
         thread.start()
-    time.sleep(1.5)  # slow_fp32: 0.5 s per batch of 8, so requests are running and queued
+    # slow_fp32: 0.5 s per batch of 8; 16 clients: SIGTERM once requests run and more wait
+    wait_queue(server.url, "slow_fp32", executing=1, queued=1, deadline_s=30)
     with lock:
         before = outcomes.count("ok")
     server.proc.send_signal(signal.SIGTERM)
@@ -86,6 +86,7 @@ def test_sigterm_under_load_loses_no_request():
 def test_a_connection_accepted_before_sigterm_gets_an_answer_for_its_late_request():
     """A client that connected just before SIGTERM but is slow to write its request (a busy
     client machine) still gets an answer, not a connection closed unread."""
+    import http.client
     import socket
 
     server = SubprocessServer(
@@ -93,13 +94,22 @@ def test_a_connection_accepted_before_sigterm_gets_an_answer_for_its_late_reques
     )
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
+    # A second, keep-alive connection, opened after it: once it has been answered the server's
+    # event loop has accepted the first too (the kernel hands out connections in order), and
+    # once the server closes it (idle) the listener's close-race pause is over and every
+    # connection has been told to shut down.
+    probe = http.client.HTTPConnection(host, int(port), timeout=10)
     try:
-        time.sleep(0.2)  # accepted by the server's event loop
+        probe.request("GET", "/v2/health/live")
+        live = probe.getresponse()
+        live.read()
+        assert live.status == 200 and not live.will_close  # kept open, idle
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)  # longer than the listener's close-race pause
+        assert probe.sock.recv(1) == b""  # closed by the server after the pause (or times out)
         sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         answer = sock.recv(4096)
     finally:
+        probe.close()
         sock.close()
     assert answer.startswith(b"HTTP/1.1 "), answer
     assert server.proc.wait(40) == 0
