@@ -26,13 +26,12 @@ SPEC = OutputSpec("m", ("A", "B"), batched=True)
 def item(rows: int, start: float = 0.0, requested: list[str] | None = None) -> Pending:
     x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2) + start
     request = InferenceRequest("m", None, {"x": x, "n": np.full((rows, 1), rows)}, requested)
-    return Pending(request, request_rows(request, True), shape_key(request), 0.0)
+    return Pending(request, request_rows(request), shape_key(request), 0.0)
 
 
-def test_rows_are_the_first_dimension_or_one_without_batching():
+def test_rows_are_the_first_dimension():
     request = InferenceRequest("m", None, {"x": np.zeros((3, 5)), "y": np.zeros((3,))})
-    assert request_rows(request, batched=True) == 3
-    assert request_rows(request, batched=False) == 1
+    assert request_rows(request) == 3
 
 
 def test_shape_key_is_the_non_batch_shape_of_every_input():
@@ -140,3 +139,9 @@ def test_outputs_are_checked_against_the_declared_shape_and_datatype():
     check_outputs(spec, nan, 1)  # NaN converts exactly
     bytes_spec = OutputSpec("m", ("T",), batched=False, shapes=((1,),), dtypes=(None,))
     check_outputs(bytes_spec, {"T": np.array([b"a"], dtype=object)}, 1)
+
+
+def test_shape_key_of_one_input_equals_the_general_form():
+    one = InferenceRequest("m", None, {"x": np.zeros((2, 7, 3))})
+    assert shape_key(one) == (("x", (7, 3)),)
+    assert hash(shape_key(one)) == hash((("x", (7, 3)),))

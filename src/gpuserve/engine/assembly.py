@@ -108,11 +108,9 @@ def wants_tensors(items: Sequence[Pending]) -> bool:
     return any(isinstance(i.request, HandoffRequest) and i.request.keep_tensors for i in items)
 
 
-def request_rows(request: InferenceRequest, batched: bool) -> int:
-    """Rows of ``request``: the first dimension of its (first) input when the model batches,
-    else 1. The protocol layer has already checked that every input agrees on it."""
-    if not batched:
-        return 1
+def request_rows(request: InferenceRequest) -> int:
+    """Rows of ``request`` to a model that batches: the first dimension of its (first)
+    input. The protocol layer has already checked that every input agrees on it."""
     rows: int = next(iter(request.inputs.values())).shape[0]
     return rows
 
@@ -120,7 +118,11 @@ def request_rows(request: InferenceRequest, batched: bool) -> int:
 def shape_key(request: InferenceRequest) -> ShapeKey:
     """Non-batch shapes of ``request``'s inputs, ``((name, shape[1:]), ...)``: only requests with
     equal keys are stacked into one batch."""
-    return tuple([(name, tuple(array.shape[1:])) for name, array in request.inputs.items()])
+    inputs = request.inputs
+    if len(inputs) == 1:  # the common case, without a comprehension's frame
+        for name, array in inputs.items():
+            return ((name, tuple(array.shape[1:])),)
+    return tuple([(name, tuple(array.shape[1:])) for name, array in inputs.items()])
 
 
 def stack_inputs(items: Sequence[Pending]) -> dict[str, np.ndarray]:

@@ -209,7 +209,7 @@ class SchedulerCore(Generic[W]):
                 request = self.reshape.request(request)
             except InvalidInputError as err:
                 raise self._outcomes.refused(err) from None
-        rows = request_rows(request, self._batched)
+        rows = request_rows(request) if self._batched else 1
         if self._correlated:
             add_correlation_input(request, rows)
         padding = self.padding

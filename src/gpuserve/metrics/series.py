@@ -50,9 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Gauge,
-    Histogram,
     ProcessCollector,
     disable_created_metrics,
 )
@@ -61,6 +59,7 @@ import gpuserve
 from gpuserve.engine.stats import BatchStats, RequestStats
 from gpuserve.metrics.collectors import SchedulerCollector
 from gpuserve.metrics.gpu import NvmlCollector
+from gpuserve.metrics.loop_series import CounterChild, LoopCounter, LoopHistogram
 from gpuserve.metrics.residency import ResidencySeries, ResidentCollector
 from gpuserve.metrics.triton import TritonGpuCollector, TritonModelCollector
 
@@ -125,7 +124,8 @@ STAGES = ("preprocess", "forward", "postprocess")
 
 class _VersionSeries:
     """The label children of one (model, version), resolved once: ``labels()`` is a dict
-    lookup and a lock per call, too much for the per-request path."""
+    lookup, more than the per-request path needs (the children are lock-free: see
+    :mod:`gpuserve.metrics.loop_series`)."""
 
     __slots__ = (
         "batch_size",
@@ -157,7 +157,7 @@ class _VersionSeries:
         self.batch_tokens = owner.batch_tokens.labels(model, version)
         self.padding = owner.padding_ratio.labels(model, version)
 
-    def failure(self, model: str, version: str, reason: str) -> Any:
+    def failure(self, model: str, version: str, reason: str) -> CounterChild:
         child = self.failures.get(reason)
         if child is None:
             child = self.failures[reason] = self.owner.requests.labels(
@@ -196,65 +196,65 @@ class ServerMetrics:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "gpuserve_requests",
             "Inference requests answered, by outcome (success|failure) and failure reason.",
             (*_MV, "outcome", "reason"),
-            registry=r,
+            r,
         )
-        self.rows = Counter(
+        self.rows = LoopCounter(
             "gpuserve_inference_rows",
             "Batch rows (inferences) of successful requests.",
             _MV,
-            registry=r,
+            r,
         )
-        self.batches = Counter(
-            "gpuserve_batches", "Batches executed by the model's instances.", _MV, registry=r
+        self.batches = LoopCounter(
+            "gpuserve_batches", "Batches executed by the model's instances.", _MV, r
         )
-        self.request_duration = Histogram(
+        self.request_duration = LoopHistogram(
             "gpuserve_request_duration_seconds",
             "Successful requests: from admission into the model's queue until the result "
             "is ready (queue + compute; protocol decode/encode is in x-total-time-us).",
             _MV,
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+            LATENCY_BUCKETS_S,
+            r,
         )
-        self.queue_duration = Histogram(
+        self.queue_duration = LoopHistogram(
             "gpuserve_queue_duration_seconds",
             "Successful requests: time from admission until their batch started.",
             _MV,
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+            LATENCY_BUCKETS_S,
+            r,
         )
-        self.compute_duration = Histogram(
+        self.compute_duration = LoopHistogram(
             "gpuserve_compute_duration_seconds",
             "Per executed batch: time of each stage (preprocess, forward, postprocess).",
             (*_MV, "stage"),
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
+            LATENCY_BUCKETS_S,
+            r,
         )
-        self.batch_size = Histogram(
+        self.batch_size = LoopHistogram(
             "gpuserve_batch_size",
             "Rows per executed batch.",
             _MV,
-            buckets=BATCH_SIZE_BUCKETS,
-            registry=r,
+            BATCH_SIZE_BUCKETS,
+            r,
         )
-        self.batch_tokens = Histogram(
+        self.batch_tokens = LoopHistogram(
             "gpuserve_batch_tokens",
             "Real tokens per executed batch, for models whose requests carry a cost (text "
             "models: tokens after truncation).",
             _MV,
-            buckets=BATCH_TOKEN_BUCKETS,
-            registry=r,
+            BATCH_TOKEN_BUCKETS,
+            r,
         )
-        self.padding_ratio = Histogram(
+        self.padding_ratio = LoopHistogram(
             "gpuserve_batch_padding_ratio",
             "Padded tokens (rows x longest row) / real tokens per executed batch, for models "
             "whose requests carry a cost; 1 means no padding.",
             _MV,
-            buckets=PADDING_RATIO_BUCKETS,
-            registry=r,
+            PADDING_RATIO_BUCKETS,
+            r,
         )
         Gauge(
             "gpuserve_build_info", "gpuserve version (value is always 1).", ["version"], registry=r

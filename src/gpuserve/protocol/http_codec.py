@@ -179,6 +179,10 @@ def _decode_outputs(
     return names or None
 
 
+#: The output options of a body not decoded yet (shared, never mutated).
+_NO_OPTIONS = OutputOptions({})
+
+
 class HttpInferBody:
     """The body of one ``/infer`` request, decoded in two steps.
 
@@ -222,7 +226,8 @@ class HttpInferBody:
         self._shm = shm
         self._document: dict[str, Any] | None = None
         self._binary: memoryview | None = None
-        self.output_options = OutputOptions({})
+        # replaced by decode(); one shared empty value until then (never mutated)
+        self.output_options = _NO_OPTIONS
 
     def _parsed(self) -> dict[str, Any]:
         if self._document is None:
@@ -258,8 +263,14 @@ class HttpInferBody:
         Raises:
             InvalidInputError: see :func:`decode_infer_request`.
         """
+        document = self._document
+        if document is None:  # as _parsed(), inline: this is the request path
+            document, self._binary = _split_body(
+                self._body, parse_header_length(self._header_value)
+            )
+            self._document = document
         decoded = _decode_document(
-            self._parsed(),
+            document,
             self._binary,
             config,
             model_name,

@@ -163,7 +163,7 @@ class InferenceService:
     def cold(self, model: str) -> bool:
         """Whether a request for ``model`` must await :meth:`ensure_loaded` before
         :meth:`admit` (it loads on demand and serves nothing now). A dict lookup."""
-        return self.manager.cold(model)
+        return self.manager.on_demand.cold(model)
 
     async def ensure_loaded(self, model: str) -> None:
         """Load ``model`` on demand (making room under the limits), waiting up to its
@@ -194,7 +194,7 @@ class InferenceService:
         Raises:
             GpuserveError: as :meth:`ensure_loaded` and :meth:`admit` (already counted).
         """
-        if self.manager.cold(model):
+        if self.manager.on_demand.cold(model):
             await self.ensure_loaded(model)
         return self.admit(model, version, wire, is_cancelled)
 

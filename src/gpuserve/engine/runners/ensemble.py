@@ -200,7 +200,7 @@ class EnsembleRunner(VersionRunner):
             EnsembleRun.begin(self.plan, request.inputs),
             future,
             self.clock(),
-            request_rows(request, self._batched) if request.inputs else 1,
+            request_rows(request) if self._batched and request.inputs else 1,
             self._keep(),
         )
         self._runs.add(run)

@@ -289,7 +289,11 @@ class HttpApp:
         if self.service.cold(name):  # loads on demand first; a loaded model never gets here
             self._spawn(self._infer_cold(request, name, version, wire))
             return None
-        self._admit(request, name, version, wire)
+        # A request whose client disconnects while it waits is dropped when its batch forms,
+        # so it never runs. The probe reads the connection's state lazily: watching each
+        # connection would cost more than the check.
+        admission = self.service.admit(name, version, wire, request.is_disconnected)
+        self._submit(request, admission, wire)
         return None
 
     def _generate(self, request: HttpRequest, _method: str, params: Params) -> Answer:
@@ -350,15 +354,6 @@ class HttpApp:
     def _gpuserve_config(self, _request: HttpRequest, _method: str, params: Params) -> Answer:
         name, version, _action = params
         return 200, encode.gpuserve_config(self.service.views.model_config(name, version))
-
-    def _admit(
-        self, request: HttpRequest, name: str, version: str | None, wire: HttpInferBody
-    ) -> None:
-        # A request whose client disconnects while it waits is dropped when its batch forms,
-        # so it never runs (BC-11). The probe reads the connection's state lazily: watching
-        # each connection would cost more than the check.
-        admission = self.service.admit(name, version, wire, request.is_disconnected)
-        self._submit(request, admission, wire)
 
     def _submit(self, request: HttpRequest, admission: Admission, wire: HttpInferBody) -> None:
         request.access = admission
