@@ -25,14 +25,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gpuserve.errors import ModelNotReadyError
-from gpuserve.repository import footprint, residency
+from gpuserve.repository import demand, estimate, footprint, residency
+from gpuserve.repository.devices import cuda_device_count
 from gpuserve.repository.executor import Change, take_config
 from gpuserve.repository.held_arrays import held_bytes
 from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
-from gpuserve.repository.scan import read_model
+from gpuserve.repository.retry import Failure
+from gpuserve.repository.scan import Fingerprint, ModelEntry, fingerprint, read_model
 from gpuserve.repository.state import Model, VersionState
 
 if TYPE_CHECKING:
@@ -48,12 +51,14 @@ _IDLE_POLL_MAX_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class ResidencyEvent:
-    """A model loaded on demand, or was evicted / unloaded idle.
+    """A model loaded on demand, was evicted / unloaded idle, or a load was refused.
 
     Attributes:
-        kind: ``load`` or ``evict``.
+        kind: ``load`` (an attempt), ``evict`` or ``refuse`` (no attempt: the back-off of
+            its last failure lasts, or no room can ever be made).
         model: The model name.
-        reason: For ``evict``: ``lru``, ``memory`` or ``idle``; "" for ``load``.
+        reason: For ``evict``: ``lru``, ``memory`` or ``idle``; for ``refuse``:
+            ``backoff`` or ``no_room``; "" for ``load``.
         seconds: For ``load``: how long the load and warm-up took.
         ok: For ``load``: whether a version became READY.
     """
@@ -105,6 +110,7 @@ class OnDemand:
         self._measured: dict[str, dict[str, int]] = {}
         self._blocked: dict[str, str] = {}  # why a waiting load has no room yet
         self._idle_task: asyncio.Task[None] | None = None
+        self._gpus: int | None = None  # visible GPUs, counted at the first estimate
 
     # -- the request path --------------------------------------------------------------------
 
@@ -169,48 +175,120 @@ class OnDemand:
 
     async def _load(self, name: str) -> None:
         loop = asyncio.get_running_loop()
+        retry = self.manager._executor.retry
         while True:
             async with self._lock:
                 model = self.manager.models.get(name)
-                if model is None or model.route.default is not None or self.manager.shutting_down:
+                if (
+                    model is None
+                    or model.route.default is not None
+                    or model.path is None
+                    or self.manager.shutting_down
+                ):
                     return
-                room = residency.make_room(
-                    self.residents(),
+                entry = await loop.run_in_executor(None, read_model, model.path, None)
+                verdict = demand.decide(
                     name,
-                    residency.expected_memory(name, self._measured),
+                    self.residents(),
+                    self.expected_memory(name, entry),
                     self.limits,
+                    self.holding(entry),
+                    retry.clock(),
                 )
-                if room.blocked is None:
+                if verdict.action == "refuse":
+                    self._deadlines.pop(name, None)
+                    self._blocked.pop(name, None)
+                    logger.info("model %s: load on demand refused: %s", name, verdict.why)
+                    self._emit(ResidencyEvent("refuse", name, reason=verdict.refusal))
+                    raise ModelNotReadyError(verdict.why)
+                if verdict.action == "load":
                     self._blocked.pop(name, None)
                     self._deadlines.pop(name, None)
-                    for victim in room.evict:
-                        await self.evict(victim, room.reason, incoming=name)
-                    await self._load_now(model)
+                    if verdict.room.alone:
+                        logger.warning("%s", verdict.room.alone)
+                    for victim in verdict.room.evict:
+                        await self.evict(victim, verdict.room.reason, incoming=name)
+                    await self._load_now(model, entry)
                     await self._fit_after(name)
+                    if model.route.default is None:
+                        self._raise_failed(model, entry)
                     return
-            self._blocked[name] = room.blocked
+            self._blocked[name] = verdict.why
             if loop.time() >= self._deadlines.get(name, 0.0):
                 self._deadlines.pop(name, None)
                 self._blocked.pop(name, None)
-                logger.warning("%s", room.blocked)
-                raise ModelNotReadyError(room.blocked)
+                logger.warning("%s", verdict.why)
+                raise ModelNotReadyError(verdict.why)
             await asyncio.sleep(_ROOM_POLL_S)
 
-    async def _load_now(self, model: Model) -> None:
+    def _raise_failed(self, model: Model, entry: ModelEntry) -> None:
+        """After a load on demand that served nothing: 503 naming the error and when the
+        next attempt is due (the same message the back-off answers later requests with)."""
+        retry = self.manager._executor.retry
+        failure = retry.blocking(model.name, _selected(entry))
+        if failure is not None:
+            raise ModelNotReadyError(
+                demand.backoff_message(model.name, failure, failure.retry_at - retry.clock())
+            )
+        raise ModelNotReadyError(
+            f"model '{model.name}' is not ready: {model.error or self.manager.model_status(model)}"
+        )
+
+    def holding(self, entry: ModelEntry) -> Failure | None:
+        """The failure whose back-off holds back a load of ``entry``'s model now (every
+        version it would load failed with the content it has now), or None."""
+        if entry.config is None:
+            return None
+        return self.manager._executor.retry.blocking(entry.name, _selected(entry))
+
+    def expected_memory(self, name: str, entry: ModelEntry | None) -> dict[str, int]:
+        """What ``name`` is expected to hold once loaded, by device, bytes: its own last
+        measurement, else its configured ``expected_memory_bytes`` or its files' estimate
+        (:mod:`gpuserve.repository.estimate`), never another model's."""
+        if self._gpus is None:
+            self._gpus = cuda_device_count()
+        guess = estimate.expected(entry, self._gpus) if entry is not None else {}
+        return residency.expected_memory(name, self._measured, guess)
+
+    def ready_reason(self, name: str) -> str | None:
+        """For a model that is not loaded and that a request would load: None when such a
+        request would load it now (its readiness answers ready), else why not (its back-off
+        after a failed load, with a changed folder ending it; an invalid configuration).
+        Reads the folders of the failed versions only (a few ``stat`` calls)."""
+        model = self.manager.models.get(name)
+        if model is None or model.source_config is None:
+            return None if model is None else (model.error or "no valid configuration")
+        failed = dict(model.failed)
+        if not failed or model.path is None:
+            return None
+        now_prints = {}
+        for v in failed:
+            folder = model.path / str(v)
+            if folder.is_dir():
+                now_prints[v] = fingerprint(folder)
+        failure = self.manager._executor.retry.blocking(name, now_prints)
+        if failure is None or any(now_prints.get(v) != p for v, p in failed.items()):
+            return None
+        retry = self.manager._executor.retry
+        return demand.backoff_message(name, failure, failure.retry_at - retry.clock())
+
+    async def _load_now(self, model: Model, entry: ModelEntry) -> None:
         manager = self.manager
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with manager._lock(model.name):
             if model.route.default is not None or model.path is None:
                 return
-            entry = await loop.run_in_executor(None, read_model, model.path, None)
             if not take_config(model, entry, reset=False):
                 logger.error("model %s cannot be loaded: %s", model.name, model.error)
                 return
             await loop.run_in_executor(None, footprint.collect_garbage)
             with footprint.measuring():
                 before = footprint.sample()
-                await manager._executor.reconcile(model, entry, Change(retry_failed=True))
+                # retry_failed=False: a failed version whose back-off has passed, or whose
+                # folder changed, loads again; the record is the one polls and explicit
+                # loads share (gpuserve.repository.retry)
+                await manager._executor.reconcile(model, entry, Change(retry_failed=False))
                 after = footprint.sample()
             instances = [
                 instance
@@ -247,10 +325,13 @@ class OnDemand:
         )
         self._emit(ResidencyEvent("load", model.name, seconds=seconds, ok=ok))
 
-    async def make_room(self, name: str) -> None:
+    async def make_room(
+        self, name: str, path: Path | None = None, config_override: dict[str, Any] | None = None
+    ) -> None:
         """Before an explicit load of ``name`` (repository API): unload least recently used
         models until it fits the limits. Nothing when no limit is set or ``name`` is loaded
-        already (a reload replaces its own versions).
+        already (a reload replaces its own versions). ``path`` (the folder it loads from)
+        and ``config_override`` give its estimate before its first load.
 
         Raises:
             ModelNotReadyError: nothing can be evicted (all pinned or busy): 503 naming why.
@@ -261,11 +342,17 @@ class OnDemand:
             model = self.manager.models.get(name)
             if model is not None and (model.route.default is not None or model.versions):
                 return
-            room = residency.make_room(
-                self.residents(), name, residency.expected_memory(name, self._measured), self.limits
-            )
+            entry = None
+            if path is not None and path.is_dir():
+                loop = asyncio.get_running_loop()
+                entry = await loop.run_in_executor(None, read_model, path, config_override)
+            need = self.expected_memory(name, entry)
+            room = residency.make_room(self.residents(), name, need, self.limits)
             if room.blocked is not None:
+                self._emit(ResidencyEvent("refuse", name, reason=demand.NO_ROOM))
                 raise ModelNotReadyError(f"failed to load '{name}': {room.blocked}")
+            if room.alone:
+                logger.warning("%s", room.alone)
             for victim in room.evict:
                 await self.evict(victim, room.reason, incoming=name)
 
@@ -275,6 +362,8 @@ class OnDemand:
         if self.limits.memory_bytes <= 0:
             return
         room = residency.over_budget(self.residents(), name, self.limits)
+        if room.alone:
+            logger.warning("%s", room.alone)
         if room.blocked is not None:
             logger.warning("%s", room.blocked)
         for victim in room.evict:
@@ -404,6 +493,11 @@ class OnDemand:
                 listener(event)
             except Exception:
                 logger.exception("a residency listener failed")
+
+
+def _selected(entry: ModelEntry) -> dict[int, Fingerprint]:
+    """The versions a load of ``entry`` would load, with their folders' content now."""
+    return {v: entry.folders[v].fingerprint for v in entry.versions if v in entry.folders}
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
