@@ -200,7 +200,8 @@ class OnDemand:
                     self._blocked.pop(name, None)
                     logger.info("model %s: load on demand refused: %s", name, verdict.why)
                     self._emit(ResidencyEvent("refuse", name, reason=verdict.refusal))
-                    raise ModelNotReadyError(verdict.why)
+                    retry_after = verdict.retry_in_s if verdict.refusal == demand.BACKOFF else None
+                    raise ModelNotReadyError(verdict.why, retry_after)
                 if verdict.action == "load":
                     self._blocked.pop(name, None)
                     self._deadlines.pop(name, None)
@@ -209,7 +210,7 @@ class OnDemand:
                     for victim in verdict.room.evict:
                         await self.evict(victim, verdict.room.reason, incoming=name)
                     await self._load_now(model, entry)
-                    await self._fit_after(name)
+                    await self._fit_after(name, warned=bool(verdict.room.alone))
                     if model.route.default is None:
                         self._raise_failed(model, entry)
                     return
@@ -227,9 +228,8 @@ class OnDemand:
         retry = self.manager._executor.retry
         failure = retry.blocking(model.name, _selected(entry))
         if failure is not None:
-            raise ModelNotReadyError(
-                demand.backoff_message(model.name, failure, failure.retry_at - retry.clock())
-            )
+            wait_s = failure.retry_at - retry.clock()
+            raise ModelNotReadyError(demand.backoff_message(model.name, failure, wait_s), wait_s)
         raise ModelNotReadyError(
             f"model '{model.name}' is not ready: {model.error or self.manager.model_status(model)}"
         )
@@ -356,13 +356,14 @@ class OnDemand:
             for victim in room.evict:
                 await self.evict(victim, room.reason, incoming=name)
 
-    async def _fit_after(self, name: str) -> None:
+    async def _fit_after(self, name: str, *, warned: bool = False) -> None:
         """After a load measured more than expected: unload least recently used models until
-        the memory limit holds again (nothing when they are all pinned or busy)."""
+        the memory limit holds again (nothing when they are all pinned or busy). ``warned``:
+        the served-alone warning was logged before the load already."""
         if self.limits.memory_bytes <= 0:
             return
         room = residency.over_budget(self.residents(), name, self.limits)
-        if room.alone:
+        if room.alone and not warned:
             logger.warning("%s", room.alone)
         if room.blocked is not None:
             logger.warning("%s", room.blocked)
