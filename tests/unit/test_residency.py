@@ -147,3 +147,37 @@ def test_expected_memory_is_own_measurement_else_its_own_estimate_never_another_
     assert expected_memory("a", measured, {"cpu": 99}) == {"cpu": 10}
     assert expected_memory("z", measured) == {}  # not b's 30: another model says nothing
     assert expected_memory("z", measured, {"cpu": 5}) == {"cpu": 5}
+
+
+def _model_folder(root, extra: str = "", weights_bytes: int = 0):
+    from gpuserve.repository.scan import read_model
+
+    folder = root / "m"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.yaml").write_text(
+        "backend: python\nmax_batch_size: 1\n"
+        "inputs: [{name: X, datatype: FP32, shape: [1]}]\n"
+        "outputs: [{name: Y, datatype: FP32, shape: [1]}]\n" + extra
+    )
+    (folder / "1" / "model.py").write_text("# a model\n")
+    (folder / "1" / "weights.bin").write_bytes(b"\0" * weights_bytes)
+    return read_model(folder)
+
+
+def test_estimate_from_its_own_files_precision_and_instances(tmp_path):
+    from gpuserve.repository.estimate import expected
+
+    entry = _model_folder(tmp_path / "a", "instance_group: [{count: 2, kind: cpu}]\n", 10 * MB)
+    files = 10 * MB + len("# a model\n")
+    assert expected(entry) == {"cpu": 2 * files}  # two copies of its weights
+    half = _model_folder(tmp_path / "b", "precision: fp16\n", 10 * MB)
+    assert expected(half) == {"cpu": files // 2}
+    gpu = _model_folder(tmp_path / "c", "instance_group: [{count: 1, kind: gpu, gpus: [1]}]\n")
+    assert set(expected(gpu, gpus_visible=2)) == {"cuda:1"}
+
+
+def test_a_configured_expected_memory_wins_over_the_files(tmp_path):
+    from gpuserve.repository.estimate import expected
+
+    entry = _model_folder(tmp_path, "expected_memory_bytes: 123456\n", 10 * MB)
+    assert expected(entry) == {"cpu": 123456}

@@ -61,6 +61,17 @@ def backoff_message(name: str, failure: Failure, retry_in_s: float) -> str:
     )
 
 
+def held_back(name: str, failure: Failure | None, now_s: float) -> Verdict | None:
+    """Step 1 alone: the back-off refusal of ``name`` while ``failure`` holds its load back,
+    else None (the driver asks it before waiting for the residency lock)."""
+    if failure is None:
+        return None
+    wait_s = failure.retry_at - now_s
+    return Verdict(
+        "refuse", why=backoff_message(name, failure, wait_s), refusal=BACKOFF, retry_in_s=wait_s
+    )
+
+
 def decide(
     name: str,
     residents: Sequence[Resident],
@@ -84,11 +95,9 @@ def decide(
     Returns:
         The verdict (module docstring).
     """
-    if failure is not None:
-        wait_s = failure.retry_at - now_s
-        return Verdict(
-            "refuse", why=backoff_message(name, failure, wait_s), refusal=BACKOFF, retry_in_s=wait_s
-        )
+    held = held_back(name, failure, now_s)
+    if held is not None:
+        return held
     room = make_room(residents, name, need, limits) if limits.limited else Room()
     if room.blocked is None:
         return Verdict("load", room)

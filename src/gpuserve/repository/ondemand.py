@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuserve.errors import ModelNotReadyError
 from gpuserve.repository import demand, estimate, footprint, residency
@@ -177,6 +177,22 @@ class OnDemand:
         loop = asyncio.get_running_loop()
         retry = self.manager._executor.retry
         while True:
+            model = self.manager.models.get(name)
+            if model is None or model.path is None:
+                return
+            # a model held back by its back-off, or left no room by pinned models, is
+            # answered at once, not after the load of another model that holds the lock
+            entry = await loop.run_in_executor(None, read_model, model.path, None)
+            early = demand.decide(
+                name,
+                self.residents(),
+                self.expected_memory(name, entry),
+                self.limits,
+                self.holding(entry),
+                retry.clock(),
+            )
+            if early.action == "refuse":
+                self._refuse(name, early)
             async with self._lock:
                 model = self.manager.models.get(name)
                 if (
@@ -196,12 +212,7 @@ class OnDemand:
                     retry.clock(),
                 )
                 if verdict.action == "refuse":
-                    self._deadlines.pop(name, None)
-                    self._blocked.pop(name, None)
-                    logger.info("model %s: load on demand refused: %s", name, verdict.why)
-                    self._emit(ResidencyEvent("refuse", name, reason=verdict.refusal))
-                    retry_after = verdict.retry_in_s if verdict.refusal == demand.BACKOFF else None
-                    raise ModelNotReadyError(verdict.why, retry_after)
+                    self._refuse(name, verdict)
                 if verdict.action == "load":
                     self._blocked.pop(name, None)
                     self._deadlines.pop(name, None)
@@ -221,6 +232,16 @@ class OnDemand:
                 logger.warning("%s", verdict.why)
                 raise ModelNotReadyError(verdict.why)
             await asyncio.sleep(_ROOM_POLL_S)
+
+    def _refuse(self, name: str, verdict: demand.Verdict) -> NoReturn:
+        """Answer a refused load on demand: count it, 503 with the reason (and, for a
+        back-off, when to try again)."""
+        self._deadlines.pop(name, None)
+        self._blocked.pop(name, None)
+        logger.info("model %s: load on demand refused: %s", name, verdict.why)
+        self._emit(ResidencyEvent("refuse", name, reason=verdict.refusal))
+        retry_after = verdict.retry_in_s if verdict.refusal == demand.BACKOFF else None
+        raise ModelNotReadyError(verdict.why, retry_after)
 
     def _raise_failed(self, model: Model, entry: ModelEntry) -> None:
         """After a load on demand that served nothing: 503 naming the error and when the
