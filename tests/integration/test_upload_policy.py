@@ -144,8 +144,17 @@ def test_code_files_by_name_and_by_first_bytes():
         ("1", "data"): pickle.dumps([1]),
         ("1", "archive"): b"PK\x03\x04rest",
         ("1", "libop.so"): b"\x7fELF",
+        ("warmup", "in0.bin"): b"\x00\x00\x80\x3f",  # raw warm-up tensor data
+        ("1", "pytorch_model.bin"): b"PK\x03\x04torch",  # a torch.save archive
     }
-    assert code_files(files) == ["1/archive", "1/data", "1/libop.so", "1/model.PT", "1/model.py"]
+    assert code_files(files) == [
+        "1/archive",
+        "1/data",
+        "1/libop.so",
+        "1/model.PT",
+        "1/model.py",
+        "1/pytorch_model.bin",
+    ]
 
 
 @pytest.mark.parametrize(

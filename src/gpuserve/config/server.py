@@ -86,10 +86,11 @@ class ServerConfig(BaseSettings):
             it to load (and for room to be made), seconds, when the model sets no
             ``default_timeout_us``; then 503 with the reason.
         allow_model_upload_code: Accept load requests whose ``file:<path>`` parameters carry
-            files that run code when loaded (``.py``, pickled or TorchScript files such as
-            ``.pt``/``.pth``/``.pt2``/``.pkl``/``.bin``, native libraries) without a token.
-            Off by default: such uploads need a management token (or an API token when no
-            management token is set), and are refused with 403 otherwise.
+            files that run code when loaded (``.py``, pickled, TorchScript or
+            ``torch.export`` files such as ``.pt``/``.pth``/``.pt2``/``.pkl``, native
+            libraries) with no token set. Off by default: such uploads need a management
+            token (or an API token when no management token is set), and are refused with
+            403 otherwise.
         allow_client_shm: Serve Triton's system (and CUDA) shared-memory extension: clients
             register regions and send inputs / receive outputs through them instead of the
             request body (off by default: it lets a client make the server map its shm files).

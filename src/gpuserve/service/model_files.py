@@ -46,14 +46,16 @@ TEMP_PREFIX = "gpuserve-load-"
 
 #: Name endings of files that run code when a model loads: Python sources and bytecode,
 #: pickles (``torch.save`` files, joblib, ...), TorchScript / ``torch.export`` archives,
-#: native libraries.
+#: native libraries. (``.bin`` is not among them: Triton's warm-up data files are raw
+#: tensors named so; a pickled ``pytorch_model.bin`` is caught by its first bytes.)
 CODE_SUFFIXES = (
     ".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll",
-    ".pt", ".pth", ".pt2", ".pkl", ".pickle", ".bin", ".ckpt", ".joblib", ".dill",
+    ".pt", ".pth", ".pt2", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill",
     ".jit", ".torchscript",
 )  # fmt: skip
-#: First bytes of a pickle (protocol 2 and later) and of a zip archive (``torch.save``,
-#: TorchScript and ``torch.export`` files), whatever the file is called.
+#: First bytes of a pickle (protocol 2 and later: every ``torch.save`` file of the legacy
+#: format) and of a zip archive (``torch.save``, TorchScript and ``torch.export`` files),
+#: whatever the file is called.
 CODE_MAGIC = (b"\x80", b"PK\x03\x04")
 
 
