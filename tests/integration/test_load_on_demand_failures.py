@@ -226,3 +226,33 @@ def test_an_explicit_load_retries_at_once_and_shares_the_record(tmp_path):
             assert attempts(log) == 2
     finally:
         server.stop()
+
+
+def test_a_changed_configuration_ends_the_back_off(tmp_path):
+    """The version folder is fine; the configuration gives the model a parameter its load
+    refuses. Fixing ``config.yaml`` alone makes the next request try at once."""
+    repo = tmp_path / "repo"
+    picky = SMALL_PY.replace(
+        "        self.ident = int(context.parameters[\"ident\"])\n",
+        "        self.ident = int(context.parameters[\"ident\"])\n"
+        "        if self.ident < 0:\n"
+        "            raise ValueError(f'ident {self.ident} must be >= 0')\n",
+    )
+    write(repo, "picky", -1, picky)
+    server = InProcessServer(repo, load_on_demand=True)
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": [0.0]}]}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            first = client.post("/v2/models/picky/infer", json=body)
+            assert first.status_code == 503 and "must be >= 0" in first.json()["error"]
+            again = client.post("/v2/models/picky/infer", json=body)
+            assert again.status_code == 503 and "next attempt is due" in again.json()["error"]
+            assert client.get("/v2/models/picky/ready").status_code == 503
+            (repo / "picky" / "config.yaml").write_text(CONFIG % 5)
+            assert client.get("/v2/models/picky/ready").status_code == 200
+            fixed = client.post("/v2/models/picky/infer", json=body)
+            assert fixed.status_code == 200, fixed.text
+            assert fixed.json()["outputs"][0]["data"] == [5]
+        assert metric(server.url, "gpuserve_model_loads_total", model="picky") == 2
+    finally:
+        server.stop()

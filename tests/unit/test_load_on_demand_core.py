@@ -76,10 +76,23 @@ def test_retry_backoff_blocking_needs_every_version_held_and_the_same_content():
     assert retry.blocking("m", {1: "a", 2: "x"}) is None  # version 2 would still load
     assert retry.blocking("m", {}) is None
     assert retry.failed("m", 1, "a", "bad") == 20  # the same content again: doubled
+    assert retry.has_failures("m") and not retry.has_failures("other")
     clock.now += 20
     assert retry.blocking("m", {1: "a"}) is None  # due
     retry.forget("m", 1)
     assert retry.attempts("m", 1) == 0
+
+
+def test_a_failure_recorded_with_another_configuration_holds_nothing_back():
+    clock = FakeClock()
+    retry = RetryBackoff(base_s=10, max_s=40, clock=clock)
+    retry.failed("m", 1, "a", "bad", config='{"ident": -1}')
+    assert retry.blocking("m", {1: "a"}, lambda: '{"ident": -1}') is not None
+    assert retry.blocking("m", {1: "a"}, lambda: '{"ident": 5}') is None
+    assert retry.blocking("m", {1: "a"}) is not None  # by the folder alone
+    # the same folder with another configuration starts a new count
+    retry.failed("m", 1, "a", "bad", config='{"ident": 5}')
+    assert retry.attempts("m", 1) == 1
 
 
 # -- the simulation ------------------------------------------------------------------------

@@ -5,10 +5,10 @@ driver) each time a load on demand may start, and by the randomised tests on a f
 It reads only its arguments (no I/O, no clock of its own; times are seconds on the clock of
 :class:`~gpuserve.repository.retry.RetryBackoff`):
 
-1. **Back-off.** When every version the load would load failed with the content it has now
-   and the back-off has not passed, the request is refused at once (503) naming the last
-   error and when the next attempt is due. Nothing is evicted for it. A change to its files
-   or an explicit load ends the back-off.
+1. **Back-off.** When every version the load would load failed with the folder content and
+   the configuration it has now and the back-off has not passed, the request is refused at
+   once (503) naming the last error and when the next attempt is due. Nothing is evicted for
+   it. A change to its files or its configuration, or an explicit load, ends the back-off.
 2. **Room.** Otherwise :func:`~gpuserve.repository.residency.make_room` picks what to evict.
    A model larger than the whole memory limit is served alone
    (:attr:`~gpuserve.repository.residency.Room.alone`).

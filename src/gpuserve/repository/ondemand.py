@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from gpuserve.errors import ModelNotReadyError
+from gpuserve.errors import GpuserveError, ModelNotReadyError
 from gpuserve.repository import demand, estimate, footprint, residency
 from gpuserve.repository.devices import cuda_device_count
 from gpuserve.repository.executor import Change, take_config
 from gpuserve.repository.held_arrays import held_bytes
 from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
 from gpuserve.repository.retry import Failure
-from gpuserve.repository.scan import Fingerprint, ModelEntry, fingerprint, read_model
+from gpuserve.repository.scan import Fingerprint, ModelEntry, read_model
 from gpuserve.repository.state import Model, VersionState
 
 if TYPE_CHECKING:
@@ -220,7 +220,10 @@ class OnDemand:
                         logger.warning("%s", verdict.room.alone)
                     for victim in verdict.room.evict:
                         await self.evict(victim, verdict.room.reason, incoming=name)
-                    await self._load_now(model, entry)
+                    # not held back although a failure is recorded for this content: its
+                    # configuration changed (or the back-off passed: the plan releases it)
+                    retry_failed = self.holding_ignoring_config(entry) is not None
+                    await self._load_now(model, entry, retry_failed=retry_failed)
                     await self._fit_after(name, warned=bool(verdict.room.alone))
                     if model.route.default is None:
                         self._raise_failed(model, entry)
@@ -257,7 +260,16 @@ class OnDemand:
 
     def holding(self, entry: ModelEntry) -> Failure | None:
         """The failure whose back-off holds back a load of ``entry``'s model now (every
-        version it would load failed with the content it has now), or None."""
+        version it would load failed with the folder content and the configuration it has
+        now), or None."""
+        config = entry.config
+        retry = self.manager._executor.retry
+        if config is None or not retry.has_failures(entry.name):
+            return None
+        return retry.blocking(entry.name, _selected(entry), config.model_dump_json)
+
+    def holding_ignoring_config(self, entry: ModelEntry) -> Failure | None:
+        """:meth:`holding` by the folders alone (a changed configuration not counted)."""
         if entry.config is None:
             return None
         return self.manager._executor.retry.blocking(entry.name, _selected(entry))
@@ -275,25 +287,24 @@ class OnDemand:
         """For a model that is not loaded and that a request would load: None when such a
         request would load it now (its readiness answers ready), else why not (its back-off
         after a failed load, with a changed folder ending it; an invalid configuration).
-        Reads the folders of the failed versions only (a few ``stat`` calls)."""
+        Reads the model's folder only when it has a failure recorded (a few ``stat`` calls
+        and its configuration file, on the event loop)."""
         model = self.manager.models.get(name)
         if model is None or model.source_config is None:
             return None if model is None else (model.error or "no valid configuration")
-        failed = dict(model.failed)
-        if not failed or model.path is None:
-            return None
-        now_prints = {}
-        for v in failed:
-            folder = model.path / str(v)
-            if folder.is_dir():
-                now_prints[v] = fingerprint(folder)
-        failure = self.manager._executor.retry.blocking(name, now_prints)
-        if failure is None or any(now_prints.get(v) != p for v, p in failed.items()):
-            return None
         retry = self.manager._executor.retry
+        if model.path is None or not retry.has_failures(name):
+            return None
+        try:
+            entry = read_model(model.path)
+        except GpuserveError as err:
+            return err.message
+        failure = self.holding(entry)
+        if failure is None:
+            return None
         return demand.backoff_message(name, failure, failure.retry_at - retry.clock())
 
-    async def _load_now(self, model: Model, entry: ModelEntry) -> None:
+    async def _load_now(self, model: Model, entry: ModelEntry, *, retry_failed: bool) -> None:
         manager = self.manager
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -308,8 +319,10 @@ class OnDemand:
                 before = footprint.sample()
                 # retry_failed=False: a failed version whose back-off has passed, or whose
                 # folder changed, loads again; the record is the one polls and explicit
-                # loads share (gpuserve.repository.retry)
-                await manager._executor.reconcile(model, entry, Change(retry_failed=False))
+                # loads share (gpuserve.repository.retry). A changed configuration tries
+                # every version again.
+                change = Change(retry_failed=retry_failed)
+                await manager._executor.reconcile(model, entry, change)
                 after = footprint.sample()
             instances = [
                 instance
