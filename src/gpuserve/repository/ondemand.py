@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from gpuserve.errors import GpuserveError, ModelNotReadyError
-from gpuserve.repository import demand, estimate, footprint, residency
+from gpuserve.errors import ModelNotReadyError
+from gpuserve.repository import demand, estimate, failures, footprint, residency
 from gpuserve.repository.devices import cuda_device_count
 from gpuserve.repository.executor import Change, take_config
 from gpuserve.repository.held_arrays import held_bytes
 from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
 from gpuserve.repository.retry import Failure
-from gpuserve.repository.scan import Fingerprint, ModelEntry, read_model
+from gpuserve.repository.scan import ModelEntry, read_model
 from gpuserve.repository.state import Model, VersionState
 
 if TYPE_CHECKING:
@@ -222,11 +222,11 @@ class OnDemand:
                         await self.evict(victim, verdict.room.reason, incoming=name)
                     # not held back although a failure is recorded for this content: its
                     # configuration changed (or the back-off passed: the plan releases it)
-                    retry_failed = self.holding_ignoring_config(entry) is not None
+                    retry_failed = failures.held_by_folders(retry, entry)
                     await self._load_now(model, entry, retry_failed=retry_failed)
                     await self._fit_after(name, warned=bool(verdict.room.alone))
                     if model.route.default is None:
-                        self._raise_failed(model, entry)
+                        raise failures.failed_error(retry, model, entry)
                     return
             self._blocked[name] = verdict.why
             if loop.time() >= self._deadlines.get(name, 0.0):
@@ -246,33 +246,10 @@ class OnDemand:
         retry_after = verdict.retry_in_s if verdict.refusal == demand.BACKOFF else None
         raise ModelNotReadyError(verdict.why, retry_after)
 
-    def _raise_failed(self, model: Model, entry: ModelEntry) -> None:
-        """After a load on demand that served nothing: 503 naming the error and when the
-        next attempt is due (the same message the back-off answers later requests with)."""
-        retry = self.manager._executor.retry
-        failure = retry.blocking(model.name, _selected(entry))
-        if failure is not None:
-            wait_s = failure.retry_at - retry.clock()
-            raise ModelNotReadyError(demand.backoff_message(model.name, failure, wait_s), wait_s)
-        raise ModelNotReadyError(
-            f"model '{model.name}' is not ready: {model.error or self.manager.model_status(model)}"
-        )
-
     def holding(self, entry: ModelEntry) -> Failure | None:
-        """The failure whose back-off holds back a load of ``entry``'s model now (every
-        version it would load failed with the folder content and the configuration it has
-        now), or None."""
-        config = entry.config
-        retry = self.manager._executor.retry
-        if config is None or not retry.has_failures(entry.name):
-            return None
-        return retry.blocking(entry.name, _selected(entry), config.model_dump_json)
-
-    def holding_ignoring_config(self, entry: ModelEntry) -> Failure | None:
-        """:meth:`holding` by the folders alone (a changed configuration not counted)."""
-        if entry.config is None:
-            return None
-        return self.manager._executor.retry.blocking(entry.name, _selected(entry))
+        """The failure whose back-off holds back a load of ``entry``'s model now, or None
+        (see :func:`gpuserve.repository.failures.holding`)."""
+        return failures.holding(self.manager._executor.retry, entry)
 
     def expected_memory(self, name: str, entry: ModelEntry | None) -> dict[str, int]:
         """What ``name`` is expected to hold once loaded, by device, bytes: its own last
@@ -285,24 +262,12 @@ class OnDemand:
 
     def ready_reason(self, name: str) -> str | None:
         """For a model that is not loaded and that a request would load: None when such a
-        request would load it now (its readiness answers ready), else why not (its back-off
-        after a failed load, with a changed folder ending it; an invalid configuration).
-        Reads the model's folder only when it has a failure recorded (a few ``stat`` calls
-        and its configuration file, on the event loop)."""
+        request would load it now (its readiness answers ready), else why not (see
+        :func:`gpuserve.repository.failures.ready_reason`)."""
         model = self.manager.models.get(name)
-        if model is None or model.source_config is None:
-            return None if model is None else (model.error or "no valid configuration")
-        retry = self.manager._executor.retry
-        if model.path is None or not retry.has_failures(name):
+        if model is None:
             return None
-        try:
-            entry = read_model(model.path)
-        except GpuserveError as err:
-            return err.message
-        failure = self.holding(entry)
-        if failure is None:
-            return None
-        return demand.backoff_message(name, failure, failure.retry_at - retry.clock())
+        return failures.ready_reason(self.manager._executor.retry, model)
 
     async def _load_now(self, model: Model, entry: ModelEntry, *, retry_failed: bool) -> None:
         manager = self.manager
@@ -528,11 +493,6 @@ class OnDemand:
                 listener(event)
             except Exception:
                 logger.exception("a residency listener failed")
-
-
-def _selected(entry: ModelEntry) -> dict[int, Fingerprint]:
-    """The versions a load of ``entry`` would load, with their folders' content now."""
-    return {v: entry.folders[v].fingerprint for v in entry.versions if v in entry.folders}
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
