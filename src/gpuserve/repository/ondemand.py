@@ -6,10 +6,14 @@ manager:
 * :meth:`OnDemand.cold` (request path, a dict lookup): whether a request for a model must
   wait for a load first (``load_on_demand``, or a model that was evicted or unloaded idle);
 * :meth:`OnDemand.ensure_loaded`: one load per model however many requests wait for it (they
-  share it, each up to its own deadline); before it, the least recently used models with
-  nothing queued or running are unloaded (drained, as any unload) until the limits leave
-  room; if nothing can be unloaded it waits for room until the last waiter's deadline, then
-  fails with the reason;
+  share it, each up to its own deadline); what it does is :func:`gpuserve.repository.demand.
+  decide`'s verdict: refused at once while the back-off of a failed load lasts (the shared
+  record of :mod:`gpuserve.repository.retry`) or when only pinned models leave no room;
+  otherwise the least recently used models with nothing queued or running are unloaded
+  (drained, as any unload) until the limits leave room, a model larger than the memory limit
+  being served alone; if busy models stand in the way it waits for room until the last
+  waiter's deadline, then fails with the reason. A failed load answers its waiters with the
+  error and when the next attempt is due;
 * the idle loop unloads models with no request for their ``idle_unload_s``.
 
 Loads and evictions on demand run one at a time (one residency lock, taken before any
@@ -181,7 +185,8 @@ class OnDemand:
             if model is None or model.path is None:
                 return
             # a model held back by its back-off, or left no room by pinned models, is
-            # answered at once, not after the load of another model that holds the lock
+            # answered at once, not after the load of another model that holds the lock (the
+            # folder as read now is the one the load uses)
             entry = await loop.run_in_executor(None, read_model, model.path, None)
             early = demand.decide(
                 name,
@@ -202,7 +207,6 @@ class OnDemand:
                     or self.manager.shutting_down
                 ):
                     return
-                entry = await loop.run_in_executor(None, read_model, model.path, None)
                 verdict = demand.decide(
                     name,
                     self.residents(),
@@ -282,10 +286,10 @@ class OnDemand:
             await loop.run_in_executor(None, footprint.collect_garbage)
             with footprint.measuring():
                 before = footprint.sample()
-                # retry_failed=False: a failed version whose back-off has passed, or whose
-                # folder changed, loads again; the record is the one polls and explicit
-                # loads share (gpuserve.repository.retry). A changed configuration tries
-                # every version again.
+                # without retry_failed, a failed version loads again when its back-off has
+                # passed or its folder changed (the record polls and explicit loads share:
+                # gpuserve.repository.retry); with it (a changed configuration), every
+                # version tries again
                 change = Change(retry_failed=retry_failed)
                 await manager._executor.reconcile(model, entry, change)
                 after = footprint.sample()
