@@ -6,8 +6,8 @@ manager:
 * :meth:`OnDemand.cold` (request path, a dict lookup): whether a request for a model must
   wait for a load first (``load_on_demand``, or a model that was evicted or unloaded idle);
 * :meth:`OnDemand.ensure_loaded`: one load per model however many requests wait for it (they
-  share it, each up to its own deadline); what it does is :func:`gpuserve.repository.demand.
-  decide`'s verdict: refused at once while the back-off of a failed load lasts (the shared
+  share it, each up to its own deadline), as the pure core decides
+  (:func:`~gpuserve.repository.demand.decide`): refused at once while the back-off of a failed load lasts (the shared
   record of :mod:`gpuserve.repository.retry`) or when only pinned models leave no room;
   otherwise the least recently used models with nothing queued or running are unloaded
   (drained, as any unload) until the limits leave room, a model larger than the memory limit
