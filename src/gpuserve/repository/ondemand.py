@@ -7,13 +7,13 @@ manager:
   wait for a load first (``load_on_demand``, or a model that was evicted or unloaded idle);
 * :meth:`OnDemand.ensure_loaded`: one load per model however many requests wait for it (they
   share it, each up to its own deadline), as the pure core decides
-  (:func:`~gpuserve.repository.demand.decide`): refused at once while the back-off of a failed load lasts (the shared
-  record of :mod:`gpuserve.repository.retry`) or when only pinned models leave no room;
-  otherwise the least recently used models with nothing queued or running are unloaded
-  (drained, as any unload) until the limits leave room, a model larger than the memory limit
-  being served alone; if busy models stand in the way it waits for room until the last
-  waiter's deadline, then fails with the reason. A failed load answers its waiters with the
-  error and when the next attempt is due;
+  (:func:`~gpuserve.repository.demand.decide`): refused at once while the back-off of a
+  failed load lasts (the shared record of :mod:`gpuserve.repository.retry`) or when only
+  pinned models leave no room; otherwise the least recently used models with nothing queued
+  or running are unloaded (drained, as any unload) until the limits leave room, a model
+  larger than the memory limit being served alone; if busy models stand in the way it waits
+  for room until the last waiter's deadline, then fails with the reason. A failed load
+  answers its waiters with the error and when the next attempt is due;
 * the idle loop unloads models with no request for their ``idle_unload_s``.
 
 Loads and evictions on demand run one at a time (one residency lock, taken before any
