@@ -258,7 +258,7 @@ def test_garbage_collected_during_a_load_is_not_taken_off_its_footprint(tmp_path
 def test_pinned_never_evicted_and_no_room_is_503(tmp_path):
     repo = tmp_path / "repo"
     write_model(repo, "pin", 1, "pinned: true\n")
-    write_model(repo, "m0", 0, "dynamic_batching: {default_timeout_us: 300000}\n")
+    write_model(repo, "m0", 0, "dynamic_batching: {default_timeout_us: 10000000}\n")
     server = InProcessServer(repo, load_on_demand=True, max_loaded_models=1)
     try:
         url = server.url
@@ -268,8 +268,8 @@ def test_pinned_never_evicted_and_no_room_is_503(tmp_path):
             response = infer(client, "m0")
             assert response.status_code == 503, response.text
             # only a pinned model stands in the way: no wait can help, refused at once
-            # (not after the model's 0.3 s load timeout)
-            assert time.monotonic() - started < 0.25
+            # (not after the model's 10 s load timeout; the margin is for a busy machine)
+            assert time.monotonic() - started < 3.0
             message = response.json()["error"]
             assert "limit of 1 loaded models" in message and "pinned: pin" in message, message
             assert infer(client, "pin").status_code == 200

@@ -152,7 +152,7 @@ def test_bc44_backoff_fixed_model_and_a_model_larger_than_the_limit(tmp_path, ki
         assert {e.status for e in errors} == {Status.UNAVAILABLE}
         assert all("weights file truncated" in e.message for e in errors), errors
         assert attempts(log) == 1
-        # ... and ten sequential ones get a fast 503 each, with no new attempt
+        # ... and ten sequential ones get a fast 503 each, with no new attempt (the log)
         for _ in range(10):
             started = time.monotonic()
             err = infer("broken")
@@ -161,7 +161,7 @@ def test_bc44_backoff_fixed_model_and_a_model_larger_than_the_limit(tmp_path, ki
             assert "weights file truncated" in err.message, err.message
             assert "next attempt is due in" in err.message, err.message
             assert err.retry_after_s is not None and 1 <= err.retry_after_s <= 60, err
-            assert took < 0.25, took  # not a 0.3 s load, not the 30 s load timeout
+            assert took < 3.0, took  # not the 30 s load timeout (margin for a busy machine)
         assert attempts(log) == 1
         assert metric(url, "gpuserve_model_loads_total", model="broken", outcome="failure") == 1
         refusals = "gpuserve_model_load_refusals_total"
