@@ -36,9 +36,19 @@ class ModelNotFoundError(GpuserveError):
 
 
 class ModelNotReadyError(GpuserveError):
-    """The model exists but cannot serve now: loading, failed to load, unloading (HTTP 503)."""
+    """The model exists but cannot serve now: loading, failed to load, unloading (HTTP 503).
+
+    Attributes:
+        retry_after_s: When the server knows when trying again can help (the back-off of a
+            failed load on demand), seconds (HTTP ``Retry-After``, gRPC ``retry-after``
+            metadata); None otherwise.
+    """
 
     reason = "not_ready"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class OverloadedError(GpuserveError):

@@ -4,7 +4,9 @@ place of the repository folder's, from a private temporary folder removed on unl
 Driven with Triton's own clients (``load_model(..., config=..., files=...)``) and httpx against
 an in-process server in explicit mode serving :mod:`tests.fixtures.triton_examples`' ``simple``
 (``OUTPUT0 = INPUT0 + INPUT1``); the files send a ``simple`` whose ``OUTPUT0`` is the product,
-so which one answers shows where the model loaded from.
+so which one answers shows where the model loaded from. The servers run with
+``allow_model_upload_code`` (a ``model.py`` runs code; the upload policy itself is tested in
+``test_upload_policy.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +71,11 @@ B = np.full((1, 16), 3, dtype=np.int32)
 def server(tmp_path_factory):
     root = write_triton_examples(tmp_path_factory.mktemp("files") / "models", False)
     running = InProcessServer(
-        root, model_control_mode="explicit", load_model=["simple"], metrics_port=-1
+        root,
+        model_control_mode="explicit",
+        load_model=["simple"],
+        metrics_port=-1,
+        allow_model_upload_code=True,
     )
     yield running
     running.stop()
@@ -211,7 +217,11 @@ def test_an_onnx_model_sent_as_files_with_a_partial_config(server, http, tmp_pat
 def test_shutdown_removes_the_folders(tmp_path):
     root = write_triton_examples(tmp_path / "models", False)
     running = InProcessServer(
-        root, model_control_mode="explicit", load_model=["simple"], metrics_port=-1
+        root,
+        model_control_mode="explicit",
+        load_model=["simple"],
+        metrics_port=-1,
+        allow_model_upload_code=True,
     )
     try:
         client = grpcclient.InferenceServerClient(running.grpc_url)

@@ -37,6 +37,7 @@ SERVE_FIELDS += [  # many models on few devices: load on demand, limits, idle un
 ]
 SERVE_FIELDS += [  # security and limits
     "enable_management",
+    "allow_model_upload_code",
     "api_token",
     "tls_cert_file",
     "tls_key_file",
@@ -262,6 +263,13 @@ def _lifecycle_flags(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="enable the load/unload/rollback/canary endpoints (off by default in 'none' "
         "mode; on in explicit/poll mode or with a management token)",
+    )
+    serve.add_argument(
+        "--allow-model-upload-code",
+        action="store_true",
+        default=None,
+        help="accept load requests whose file: parameters carry code (model.py, pickled or "
+        "TorchScript files) with no token set (default: they need the management token)",
     )
     serve.add_argument(
         "--management-token",

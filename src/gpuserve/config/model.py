@@ -363,6 +363,12 @@ class ModelConfig(_Strict):
         idle_unload_s: Unload the model after this many seconds without a request (scale
             to zero within the process); its next request loads it again. None: the
             server's ``idle_unload_s``; 0: never.
+        expected_memory_bytes: What the loaded model (all its versions and instances) is
+            expected to hold on each device it runs on, bytes, until it has loaded once:
+            ``--loaded-models-memory-bytes`` makes room for this much before its first
+            load. None: estimated from the model's own version files (their size on disk,
+            times its instances per device, halved for ``fp16``/``bf16``/``int8``). Once
+            it has loaded, its measured footprint is used instead.
         ensemble: The steps of an ensemble (``backend: ensemble``; see
             :mod:`gpuserve.config.ensemble`).
         model_transaction_policy: ``decoupled: true`` for a model that answers a request
@@ -391,6 +397,7 @@ class ModelConfig(_Strict):
     embedding: EmbeddingConfig | None = None
     pinned: bool = False
     idle_unload_s: float | None = Field(default=None, ge=0)
+    expected_memory_bytes: int | None = Field(default=None, ge=0)
     sequence_batching: SequenceBatchingConfig | None = None
     ensemble: EnsembleConfig | None = None
     model_transaction_policy: TransactionPolicyConfig = Field(

@@ -85,6 +85,12 @@ class ServerConfig(BaseSettings):
         model_load_timeout_s: How long a request for a model that is not loaded waits for
             it to load (and for room to be made), seconds, when the model sets no
             ``default_timeout_us``; then 503 with the reason.
+        allow_model_upload_code: Accept load requests whose ``file:<path>`` parameters carry
+            files that run code when loaded (``.py``, pickled, TorchScript or
+            ``torch.export`` files such as ``.pt``/``.pth``/``.pt2``/``.pkl``, native
+            libraries) with no token set. Off by default: such uploads need a management
+            token (or an API token when no management token is set), and are refused with
+            403 otherwise.
         allow_client_shm: Serve Triton's system (and CUDA) shared-memory extension: clients
             register regions and send inputs / receive outputs through them instead of the
             request body (off by default: it lets a client make the server map its shm files).
@@ -141,6 +147,7 @@ class ServerConfig(BaseSettings):
     loaded_models_memory_bytes: int = Field(default=0, ge=0)
     idle_unload_s: float = Field(default=0.0, ge=0)
     model_load_timeout_s: float = Field(default=120.0, gt=0)
+    allow_model_upload_code: bool = False
     allow_client_shm: bool = False
     admission_workers: int = Field(
         default_factory=lambda: max(1, min(4, os.cpu_count() or 1)), ge=1, le=64

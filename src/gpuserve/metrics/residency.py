@@ -3,8 +3,14 @@
 ==========================================  =========  ====================================
 series                                      type       meaning
 ==========================================  =========  ====================================
-gpuserve_model_loads_total{model,outcome}   counter    loads on demand; ``outcome``
-                                                       success|failure
+gpuserve_model_loads_total{model,outcome}   counter    load attempts on demand;
+                                                       ``outcome`` success|failure
+gpuserve_model_load_refusals_total{model,   counter    requests for a model not loaded
+reason}                                                answered at once with no attempt
+                                                       (``backoff``: its last load failed
+                                                       and the back-off lasts;
+                                                       ``no_room``: pinned models leave no
+                                                       room under the limits)
 gpuserve_model_evictions_total{model,       counter    models unloaded to make room
 reason}                                                (``lru``: count limit, ``memory``:
                                                        memory limit) or ``idle``
@@ -55,6 +61,13 @@ class ResidencySeries:
             ("model", "outcome"),
             registry=registry,
         )
+        self.refusals = Counter(
+            "gpuserve_model_load_refusals",
+            "Loads on demand refused at once, with no attempt (reason backoff: the last "
+            "load failed and its back-off lasts; no_room: pinned models leave no room).",
+            ("model", "reason"),
+            registry=registry,
+        )
         self.evictions = Counter(
             "gpuserve_model_evictions",
             "Models unloaded to make room (reason lru: model count limit, memory: memory "
@@ -77,6 +90,8 @@ class ResidencySeries:
             self.load_seconds.labels(event.model).observe(event.seconds)
             for reason in EVICTION_REASONS:
                 self.evictions.labels(event.model, reason)  # present at 0
+        elif event.kind == "refuse":
+            self.refusals.labels(event.model, event.reason).inc()
         else:
             self.evictions.labels(event.model, event.reason).inc()
 

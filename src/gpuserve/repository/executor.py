@@ -141,10 +141,16 @@ class Executor:
                     failures[v] = mv.reason
                     model.failed[v] = folders[v].fingerprint
                     model.notes[v] = plan.failure_note(v, mv.reason)
-                    wait_s = self.retry.failed(model.name, v, folders[v].fingerprint)
+                    wait_s = self.retry.failed(
+                        model.name,
+                        v,
+                        folders[v].fingerprint,
+                        mv.reason,
+                        (mv.source_config or mv.config).model_dump_json(),
+                    )
                     logger.debug(
-                        "model %s version %d: a poll tries it again in %.0f s unless its "
-                        "folder changes first",
+                        "model %s version %d: a poll or a request tries it again in %.0f s "
+                        "unless its folder changes first",
                         model.name,
                         v,
                         wait_s,

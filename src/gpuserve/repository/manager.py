@@ -296,7 +296,8 @@ class ModelManager(Router):
         self._require_explicit("load")
         path = folder if folder is not None else self.repository / name
         if path.is_dir():
-            await self.on_demand.make_room(name)  # within --max-loaded-models / memory limits
+            # within --max-loaded-models / memory limits
+            await self.on_demand.make_room(name, path, config_override)
         async with self._lock(name):
             loop = asyncio.get_running_loop()
             entry = await loop.run_in_executor(None, read_model, path, config_override)

@@ -6,10 +6,14 @@ manager:
 * :meth:`OnDemand.cold` (request path, a dict lookup): whether a request for a model must
   wait for a load first (``load_on_demand``, or a model that was evicted or unloaded idle);
 * :meth:`OnDemand.ensure_loaded`: one load per model however many requests wait for it (they
-  share it, each up to its own deadline); before it, the least recently used models with
-  nothing queued or running are unloaded (drained, as any unload) until the limits leave
-  room; if nothing can be unloaded it waits for room until the last waiter's deadline, then
-  fails with the reason;
+  share it, each up to its own deadline), as the pure core decides
+  (:func:`~gpuserve.repository.demand.decide`): refused at once while the back-off of a
+  failed load lasts (the shared record of :mod:`gpuserve.repository.retry`) or when only
+  pinned models leave no room; otherwise the least recently used models with nothing queued
+  or running are unloaded (drained, as any unload) until the limits leave room, a model
+  larger than the memory limit being served alone; if busy models stand in the way it waits
+  for room until the last waiter's deadline, then fails with the reason. A failed load
+  answers its waiters with the error and when the next attempt is due;
 * the idle loop unloads models with no request for their ``idle_unload_s``.
 
 Loads and evictions on demand run one at a time (one residency lock, taken before any
@@ -25,14 +29,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuserve.errors import ModelNotReadyError
-from gpuserve.repository import footprint, residency
+from gpuserve.repository import demand, estimate, failures, footprint, residency
+from gpuserve.repository.devices import cuda_device_count
 from gpuserve.repository.executor import Change, take_config
 from gpuserve.repository.held_arrays import held_bytes
 from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
-from gpuserve.repository.scan import read_model
+from gpuserve.repository.retry import Failure
+from gpuserve.repository.scan import ModelEntry, read_model
 from gpuserve.repository.state import Model, VersionState
 
 if TYPE_CHECKING:
@@ -48,12 +55,14 @@ _IDLE_POLL_MAX_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class ResidencyEvent:
-    """A model loaded on demand, or was evicted / unloaded idle.
+    """A model loaded on demand, was evicted / unloaded idle, or a load was refused.
 
     Attributes:
-        kind: ``load`` or ``evict``.
+        kind: ``load`` (an attempt), ``evict`` or ``refuse`` (no attempt: the back-off of
+            its last failure lasts, or no room can ever be made).
         model: The model name.
-        reason: For ``evict``: ``lru``, ``memory`` or ``idle``; "" for ``load``.
+        reason: For ``evict``: ``lru``, ``memory`` or ``idle``; for ``refuse``:
+            ``backoff`` or ``no_room``; "" for ``load``.
         seconds: For ``load``: how long the load and warm-up took.
         ok: For ``load``: whether a version became READY.
     """
@@ -105,6 +114,7 @@ class OnDemand:
         self._measured: dict[str, dict[str, int]] = {}
         self._blocked: dict[str, str] = {}  # why a waiting load has no room yet
         self._idle_task: asyncio.Task[None] | None = None
+        self._gpus: int | None = None  # visible GPUs, counted at the first estimate
 
     # -- the request path --------------------------------------------------------------------
 
@@ -169,48 +179,119 @@ class OnDemand:
 
     async def _load(self, name: str) -> None:
         loop = asyncio.get_running_loop()
+        retry = self.manager._executor.retry
         while True:
+            model = self.manager.models.get(name)
+            if model is None or model.path is None:
+                return
+            # a model held back by its back-off, or left no room by pinned models, is
+            # answered at once, not after the load of another model that holds the lock (the
+            # folder as read now is the one the load uses)
+            entry = await loop.run_in_executor(None, read_model, model.path, None)
+            early = demand.decide(
+                name,
+                self.residents(),
+                self.expected_memory(name, entry),
+                self.limits,
+                self.holding(entry),
+                retry.clock(),
+            )
+            if early.action == "refuse":
+                self._refuse(name, early)
             async with self._lock:
                 model = self.manager.models.get(name)
-                if model is None or model.route.default is not None or self.manager.shutting_down:
+                if (
+                    model is None
+                    or model.route.default is not None
+                    or model.path is None
+                    or self.manager.shutting_down
+                ):
                     return
-                room = residency.make_room(
-                    self.residents(),
+                verdict = demand.decide(
                     name,
-                    residency.expected_memory(name, self._measured),
+                    self.residents(),
+                    self.expected_memory(name, entry),
                     self.limits,
+                    self.holding(entry),
+                    retry.clock(),
                 )
-                if room.blocked is None:
+                if verdict.action == "refuse":
+                    self._refuse(name, verdict)
+                if verdict.action == "load":
                     self._blocked.pop(name, None)
                     self._deadlines.pop(name, None)
-                    for victim in room.evict:
-                        await self.evict(victim, room.reason, incoming=name)
-                    await self._load_now(model)
-                    await self._fit_after(name)
+                    if verdict.room.alone:
+                        logger.warning("%s", verdict.room.alone)
+                    for victim in verdict.room.evict:
+                        await self.evict(victim, verdict.room.reason, incoming=name)
+                    # not held back although a failure is recorded for this content: its
+                    # configuration changed (or the back-off passed: the plan releases it)
+                    retry_failed = failures.held_by_folders(retry, entry)
+                    await self._load_now(model, entry, retry_failed=retry_failed)
+                    await self._fit_after(name, warned=bool(verdict.room.alone))
+                    if model.route.default is None:
+                        raise failures.failed_error(retry, model, entry)
                     return
-            self._blocked[name] = room.blocked
+            self._blocked[name] = verdict.why
             if loop.time() >= self._deadlines.get(name, 0.0):
                 self._deadlines.pop(name, None)
                 self._blocked.pop(name, None)
-                logger.warning("%s", room.blocked)
-                raise ModelNotReadyError(room.blocked)
+                logger.warning("%s", verdict.why)
+                raise ModelNotReadyError(verdict.why)
             await asyncio.sleep(_ROOM_POLL_S)
 
-    async def _load_now(self, model: Model) -> None:
+    def _refuse(self, name: str, verdict: demand.Verdict) -> NoReturn:
+        """Answer a refused load on demand: count it, 503 with the reason (and, for a
+        back-off, when to try again)."""
+        self._deadlines.pop(name, None)
+        self._blocked.pop(name, None)
+        logger.info("model %s: load on demand refused: %s", name, verdict.why)
+        self._emit(ResidencyEvent("refuse", name, reason=verdict.refusal))
+        retry_after = verdict.retry_in_s if verdict.refusal == demand.BACKOFF else None
+        raise ModelNotReadyError(verdict.why, retry_after)
+
+    def holding(self, entry: ModelEntry) -> Failure | None:
+        """The failure whose back-off holds back a load of ``entry``'s model now, or None
+        (see :func:`gpuserve.repository.failures.holding`)."""
+        return failures.holding(self.manager._executor.retry, entry)
+
+    def expected_memory(self, name: str, entry: ModelEntry | None) -> dict[str, int]:
+        """What ``name`` is expected to hold once loaded, by device, bytes: its own last
+        measurement, else its configured ``expected_memory_bytes`` or its files' estimate
+        (:mod:`gpuserve.repository.estimate`), never another model's."""
+        if self._gpus is None:
+            self._gpus = cuda_device_count()
+        guess = estimate.expected(entry, self._gpus) if entry is not None else {}
+        return residency.expected_memory(name, self._measured, guess)
+
+    def ready_reason(self, name: str) -> str | None:
+        """For a model that is not loaded and that a request would load: None when such a
+        request would load it now (its readiness answers ready), else why not (see
+        :func:`gpuserve.repository.failures.ready_reason`)."""
+        model = self.manager.models.get(name)
+        if model is None:
+            return None
+        return failures.ready_reason(self.manager._executor.retry, model)
+
+    async def _load_now(self, model: Model, entry: ModelEntry, *, retry_failed: bool) -> None:
         manager = self.manager
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with manager._lock(model.name):
             if model.route.default is not None or model.path is None:
                 return
-            entry = await loop.run_in_executor(None, read_model, model.path, None)
             if not take_config(model, entry, reset=False):
                 logger.error("model %s cannot be loaded: %s", model.name, model.error)
                 return
             await loop.run_in_executor(None, footprint.collect_garbage)
             with footprint.measuring():
                 before = footprint.sample()
-                await manager._executor.reconcile(model, entry, Change(retry_failed=True))
+                # without retry_failed, a failed version loads again when its back-off has
+                # passed or its folder changed (the record polls and explicit loads share:
+                # gpuserve.repository.retry); with it (a changed configuration), every
+                # version tries again
+                change = Change(retry_failed=retry_failed)
+                await manager._executor.reconcile(model, entry, change)
                 after = footprint.sample()
             instances = [
                 instance
@@ -247,10 +328,13 @@ class OnDemand:
         )
         self._emit(ResidencyEvent("load", model.name, seconds=seconds, ok=ok))
 
-    async def make_room(self, name: str) -> None:
+    async def make_room(
+        self, name: str, path: Path | None = None, config_override: dict[str, Any] | None = None
+    ) -> None:
         """Before an explicit load of ``name`` (repository API): unload least recently used
         models until it fits the limits. Nothing when no limit is set or ``name`` is loaded
-        already (a reload replaces its own versions).
+        already (a reload replaces its own versions). ``path`` (the folder it loads from)
+        and ``config_override`` give its estimate before its first load.
 
         Raises:
             ModelNotReadyError: nothing can be evicted (all pinned or busy): 503 naming why.
@@ -261,20 +345,29 @@ class OnDemand:
             model = self.manager.models.get(name)
             if model is not None and (model.route.default is not None or model.versions):
                 return
-            room = residency.make_room(
-                self.residents(), name, residency.expected_memory(name, self._measured), self.limits
-            )
+            entry = None
+            if path is not None and path.is_dir():
+                loop = asyncio.get_running_loop()
+                entry = await loop.run_in_executor(None, read_model, path, config_override)
+            need = self.expected_memory(name, entry)
+            room = residency.make_room(self.residents(), name, need, self.limits)
             if room.blocked is not None:
+                self._emit(ResidencyEvent("refuse", name, reason=demand.NO_ROOM))
                 raise ModelNotReadyError(f"failed to load '{name}': {room.blocked}")
+            if room.alone:
+                logger.warning("%s", room.alone)
             for victim in room.evict:
                 await self.evict(victim, room.reason, incoming=name)
 
-    async def _fit_after(self, name: str) -> None:
+    async def _fit_after(self, name: str, *, warned: bool = False) -> None:
         """After a load measured more than expected: unload least recently used models until
-        the memory limit holds again (nothing when they are all pinned or busy)."""
+        the memory limit holds again (nothing when they are all pinned or busy). ``warned``:
+        the served-alone warning was logged before the load already."""
         if self.limits.memory_bytes <= 0:
             return
         room = residency.over_budget(self.residents(), name, self.limits)
+        if room.alone and not warned:
+            logger.warning("%s", room.alone)
         if room.blocked is not None:
             logger.warning("%s", room.blocked)
         for victim in room.evict:

@@ -13,6 +13,13 @@ time is an argument, seconds on one clock), carried out by
 
 A model that is *busy* (queued or running requests, requests waiting for it to load, a change
 in progress) or *pinned* is never chosen.
+
+The budget policy for a model larger than the whole memory limit on a device: it is **served
+alone** there. Its need is counted as the whole budget, so every other model holding memory on
+that device is evicted first, and :attr:`Room.alone` carries the warning to log. When no room
+can be made, :attr:`Room.permanent` tells whether waiting could help: it cannot when pinned
+models alone leave no room (busy models finish and become evictable; pinned ones never do), so
+the request is refused at once instead of waiting out its load timeout.
 """
 
 from __future__ import annotations
@@ -76,11 +83,17 @@ class Room:
         evict: Models to unload, least recently used first (empty when ``blocked``).
         reason: Why they go (:data:`LRU` for the count limit, :data:`MEMORY`).
         blocked: Why no room can be made now, or None.
+        permanent: With ``blocked``: no room will ever be made while the pinned models stay
+            (refuse at once); False: busy models may become evictable (wait).
+        alone: The model alone needs more than the memory limit on a device: it is served
+            alone there, above the limit (the warning to log), or "".
     """
 
     evict: tuple[str, ...] = ()
     reason: str = LRU
     blocked: str | None = None
+    permanent: bool = False
+    alone: str = ""
 
 
 def _totals(residents: Iterable[Resident]) -> dict[str, int]:
@@ -104,11 +117,41 @@ def _over_devices(totals: Mapping[str, int], need: Mapping[str, int], budget: in
     return {d for d in set(totals) | set(need) if totals.get(d, 0) + need.get(d, 0) > budget}
 
 
+def _clamped(need: Mapping[str, int], budget: int) -> dict[str, int]:
+    """``need`` with each device's share cut to the whole budget: a model larger than the
+    budget fits once nothing else holds memory there (served alone)."""
+    if budget <= 0:
+        return dict(need)
+    return {d: min(n, budget) for d, n in need.items()}
+
+
+def _alone(name: str, need: Mapping[str, int], budget: int) -> str:
+    over = sorted(d for d, n in need.items() if budget > 0 and n > budget)
+    if not over:
+        return ""
+    sizes = ", ".join(f"{d} {need[d]} B" for d in over)
+    return (
+        f"model '{name}' needs {sizes}, more than the whole loaded models memory limit of "
+        f"{budget} B per device: it is served alone there, above the limit"
+    )
+
+
+def _permanent(
+    others: Sequence[Resident], need: Mapping[str, int], limits: Limits, extra: int
+) -> bool:
+    """Whether the pinned ``others`` alone leave no room (no wait can help)."""
+    pinned = [r for r in others if r.pinned]
+    if limits.max_models > 0 and len(pinned) + extra > limits.max_models:
+        return True
+    return _over(_totals(pinned), need, limits.memory_bytes)
+
+
 def _plan(
-    others: Sequence[Resident], need: Mapping[str, int], limits: Limits, extra: int, what: str
+    others: Sequence[Resident], wanted: Mapping[str, int], limits: Limits, extra: int, what: str
 ) -> Room:
-    """Evict least recently used ``others`` until ``extra`` more models and ``need`` more
-    bytes fit within ``limits``."""
+    """Evict least recently used ``others`` until ``extra`` more models and ``wanted`` more
+    bytes (each device's share cut to the budget) fit within ``limits``."""
+    need = _clamped(wanted, limits.memory_bytes)
     kept = list(others)
     totals = _totals(kept)
     count_full = limits.max_models > 0 and len(kept) + extra > limits.max_models
@@ -135,17 +178,20 @@ def _plan(
             blocked=_blocked(
                 what, f"the limit of {limits.max_models} loaded models is reached", others
             ),
+            permanent=_permanent(others, need, limits, extra),
         )
     if _over(totals, need, limits.memory_bytes):
-        wanted = ", ".join(f"{d} {n} B" for d, n in sorted(need.items()) if n) or "its memory"
+        wanted_text = ", ".join(f"{d} {n} B" for d, n in sorted(wanted.items()) if n)
+        wanted_text = wanted_text or "its memory"
         return Room(
             reason=MEMORY,
             blocked=_blocked(
                 what,
                 f"the loaded models memory limit of {limits.memory_bytes} B per device "
-                f"leaves no room for {wanted}",
+                f"leaves no room for {wanted_text}",
                 others,
             ),
+            permanent=_permanent(others, need, limits, extra),
         )
     return Room(tuple(evict), reason)
 
@@ -182,7 +228,9 @@ def make_room(
         with the reason when the others are pinned or busy.
     """
     others = [r for r in residents if r.name != incoming]
-    return _plan(others, need, limits, 1, f"model '{incoming}' cannot be loaded")
+    room = _plan(others, need, limits, 1, f"model '{incoming}' cannot be loaded")
+    alone = _alone(incoming, need, limits.memory_bytes)
+    return Room(room.evict, room.reason, room.blocked, room.permanent, alone) if alone else room
 
 
 def over_budget(residents: Sequence[Resident], loaded: str, limits: Limits) -> Room:
@@ -191,9 +239,10 @@ def over_budget(residents: Sequence[Resident], loaded: str, limits: Limits) -> R
     others = [r for r in residents if r.name != loaded]
     own = next((r.memory_bytes for r in residents if r.name == loaded), {})
     room = _plan(others, own, limits, 1, f"model '{loaded}' loaded past the limits")
+    alone = _alone(loaded, own, limits.memory_bytes)
     if room.blocked is None:
-        return Room(room.evict, MEMORY if room.evict else room.reason)
-    return room
+        return Room(room.evict, MEMORY if room.evict else room.reason, alone=alone)
+    return Room(room.evict, room.reason, room.blocked, room.permanent, alone)
 
 
 def idle_due(residents: Iterable[Resident], now_s: float) -> tuple[str, ...]:
@@ -222,14 +271,17 @@ def next_idle_check(residents: Iterable[Resident], now_s: float) -> float | None
     return min(waits) if waits else None
 
 
-def expected_memory(name: str, measured: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
-    """What ``name`` is expected to hold once loaded: its last measurement, else the largest
-    measured model's (a guess that errs on the side of making room), else nothing."""
+def expected_memory(
+    name: str,
+    measured: Mapping[str, Mapping[str, int]],
+    estimate: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """What ``name`` is expected to hold once loaded, by device, bytes: its own last
+    measurement, else ``estimate`` (its configured ``expected_memory_bytes``, or what its own
+    files tell: see :func:`gpuserve.repository.estimate.expected`), else nothing. Never
+    another model's measurement: one large model must not make every model never loaded look
+    as large (and find no room)."""
     own = measured.get(name)
     if own is not None:
         return dict(own)
-    largest: dict[str, int] = {}
-    for sizes in measured.values():
-        if sum(sizes.values()) > sum(largest.values()):
-            largest = dict(sizes)
-    return largest
+    return dict(estimate) if estimate else {}

@@ -1,4 +1,9 @@
-"""When ``poll`` mode tries a version again that failed to load, its folder unchanged.
+"""When a version that failed to load is tried again, its folder unchanged.
+
+One record and one back-off for every path that loads: a ``poll``, a request under load on
+demand (which is answered at once with the last error while the back-off lasts, see
+:mod:`gpuserve.repository.demand`) and an explicit ``load`` (which always tries at once and
+counts as an attempt).
 
 A load can fail for a reason that goes away by itself (a file still being copied by another
 tool, a device that was busy, a library that failed at first use), so a poll does not wait
@@ -11,7 +16,7 @@ at once. Pure bookkeeping on an injected monotonic clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 #: First wait after a failure, seconds; doubled per further failure of the same content.
@@ -27,12 +32,16 @@ class Failure:
     Attributes:
         fingerprint: The folder content that failed.
         attempts: Failed loads of that content in a row.
-        retry_at: When a poll may try again (monotonic seconds).
+        retry_at: When a poll or a request may try again (monotonic seconds).
+        reason: Why it failed (the load error).
+        config: The model configuration it failed with (its JSON), or "" when not known.
     """
 
     fingerprint: Hashable
     attempts: int
     retry_at: float
+    reason: str = ""
+    config: str = ""
 
 
 class RetryBackoff:
@@ -55,13 +64,17 @@ class RetryBackoff:
         self.clock = clock
         self._failures: dict[tuple[str, int], Failure] = {}
 
-    def failed(self, model: str, version: int, fingerprint: Hashable) -> float:
-        """Record a failed load; returns the wait before the next try, seconds."""
+    def failed(
+        self, model: str, version: int, fingerprint: Hashable, reason: str = "", config: str = ""
+    ) -> float:
+        """Record a failed load (``reason``: the error; ``config``: the configuration's JSON
+        it failed with); returns the wait before the next try, seconds."""
         key = (model, version)
         last = self._failures.get(key)
-        attempts = last.attempts + 1 if last is not None and last.fingerprint == fingerprint else 1
+        same = last is not None and last.fingerprint == fingerprint and last.config == config
+        attempts = last.attempts + 1 if last is not None and same else 1
         wait_s = min(self.max_s, self.base_s * 2 ** (attempts - 1))
-        self._failures[key] = Failure(fingerprint, attempts, self.clock() + wait_s)
+        self._failures[key] = Failure(fingerprint, attempts, self.clock() + wait_s, reason, config)
         return wait_s
 
     def due(self, model: str, version: int, fingerprint: Hashable) -> bool:
@@ -80,3 +93,34 @@ class RetryBackoff:
     def forget(self, model: str, version: int) -> None:
         """The version loaded (or left the repository): start again from ``base_s``."""
         self._failures.pop((model, version), None)
+
+    def has_failures(self, model: str) -> bool:
+        """Whether any version of ``model`` has a failure recorded."""
+        return any(name == model for name, _v in self._failures)
+
+    def blocking(
+        self,
+        model: str,
+        fingerprints: Mapping[int, Hashable],
+        config: Callable[[], str] | None = None,
+    ) -> Failure | None:
+        """The failure that holds back a load of ``model`` now, or None: every version in
+        ``fingerprints`` (version -> its folder's content now; the versions a load would
+        load) failed with that same content and its back-off has not passed. With
+        ``config`` (the configuration's JSON now, asked only when needed), a failure
+        recorded with another configuration does not hold it back either. The one due
+        soonest is returned (it names the error and when the next attempt is due)."""
+        if not fingerprints:
+            return None
+        now = self.clock()
+        held: list[Failure] = []
+        for v, fingerprint in fingerprints.items():
+            last = self._failures.get((model, v))
+            if last is None or last.fingerprint != fingerprint or now >= last.retry_at:
+                return None
+            held.append(last)
+        if config is not None:
+            current = config()
+            if any(f.config and f.config != current for f in held):
+                return None
+        return min(held, key=lambda f: f.retry_at)

@@ -31,6 +31,7 @@ from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
 from gpuserve.server.http.listener import HttpListener
 from gpuserve.server.startup import StartupError, listeners, port_error, repository_problem
+from gpuserve.server.security import open_management_warning
 from gpuserve.service.inference import InferenceService
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,9 @@ class GpuServer:
         if problem is not None:
             raise StartupError(problem)
         tls = _ssl_context(config)
+        warning = open_management_warning(config)
+        if warning is not None:
+            logger.warning("%s", warning)
         metrics, grpc, http = listeners(config)
         host = config.host
         if metrics.port >= 0:

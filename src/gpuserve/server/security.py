@@ -11,15 +11,20 @@
   model repository become repository-relative (``broken_model/1/model.pt``) and any other
   absolute path is cut to its last component (``.../serialization.py``). Logs keep the full
   paths.
+* **A warning at start** (:func:`open_management_warning`): model management reachable from
+  other machines with no token lets anyone load and unload models.
 * **Names that cannot leave the repository** (:mod:`gpuserve.service.names`, checked by the
   inference service for every front end).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
+
+from gpuserve.config import ServerConfig
 
 from gpuserve.service.auth import Headers, Tokens, bearer_token
 from gpuserve.service.names import check_model_name, check_override_paths, check_version_label
@@ -30,6 +35,7 @@ __all__ = [
     "Redactor",
     "Tokens",
     "bearer_token",
+    "open_management_warning",
     "check_model_name",
     "check_override_paths",
     "check_version_label",
@@ -42,6 +48,36 @@ OPEN_HTTP_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics", 
 _PATH_PART = r"[^\s/\"'`,;:()<>\[\]{}|*?=]"
 _ABSOLUTE_PATH = re.compile(rf"(?<![\w.~/\\-])/{_PATH_PART}+(?:/{_PATH_PART}*)+")
 _URL_PATHS = ("/v2/", "/metrics/")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (the bind address) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any address
+
+
+def open_management_warning(config: ServerConfig) -> str | None:
+    """The warning to log at start when model management is on, bound to an address other
+    machines reach, with no token guarding it; else None."""
+    if not config.management_enabled or is_loopback(config.host):
+        return None
+    if config.management_token is not None or config.api_token is not None:
+        return None
+    code = (
+        "and files that run code may be uploaded with a load (--allow-model-upload-code)"
+        if config.allow_model_upload_code
+        else "(uploads of files that run code are refused without a token)"
+    )
+    return (
+        f"model management (load, unload, rollback, canary) is enabled on {config.host}, "
+        f"which other machines can reach, with no --management-token: anyone who reaches "
+        f"the port can change what is served {code}; set --management-token, bind "
+        "--host 127.0.0.1, or --disable-management"
+    )
 
 
 class Redactor:

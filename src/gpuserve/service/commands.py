@@ -34,6 +34,7 @@ from gpuserve.service.model_files import (
     FILE_PREFIX,
     LoadedFiles,
     check_files,
+    code_files,
     discard,
     with_detected_backend,
     write_model_folder,
@@ -104,6 +105,13 @@ class RepositoryCommands:
         self.tokens = Tokens(config)
         self.trace_dir = config.trace_dir
         self.max_files_bytes = config.max_request_body_bytes
+        #: Files that run code may be uploaded: a token guards management, or the operator
+        #: allowed it (``allow_model_upload_code``).
+        self.code_uploads = (
+            config.allow_model_upload_code
+            or self.tokens.management is not None
+            or self.tokens.api is not None
+        )
         #: The temporary folder of each model loaded from a load request's files.
         self.loaded_files = LoadedFiles()
         self._file_locks: dict[str, asyncio.Lock] = {}
@@ -134,6 +142,28 @@ class RepositoryCommands:
             which = "management" if self.tokens.management is not None else "API"
             raise UnauthenticatedError(
                 f"model management needs 'Authorization: Bearer <{which} token>'"
+            )
+
+    def check_code_upload(self, name: str, files: Mapping[tuple[str, ...], bytes]) -> None:
+        """The upload policy: files that run code when ``name`` loads (``model.py``, pickled
+        or TorchScript files; see :func:`~gpuserve.service.model_files.code_files`) are
+        accepted only when a token guards management (the caller passed
+        :meth:`authorize_change` with it) or ``allow_model_upload_code`` is set.
+
+        Raises:
+            PermissionDeniedError: code files, no token and no ``allow_model_upload_code``
+                (403 / PERMISSION_DENIED), naming the files and both ways to allow them.
+        """
+        if self.code_uploads:
+            return
+        code = code_files(files)
+        if code:
+            listed = ", ".join(f"'{FILE_PREFIX}{path}'" for path in code)
+            raise PermissionDeniedError(
+                f"failed to load '{name}': the load request uploads files that run code when "
+                f"the model loads ({listed}), and this server has no management token: set "
+                "--management-token (and send it as 'Authorization: Bearer <token>'), or start "
+                "the server with --allow-model-upload-code"
             )
 
     # -- reading ---------------------------------------------------------------------------
@@ -184,6 +214,7 @@ class RepositoryCommands:
                 checked = None
                 if files:
                     checked = check_files(files, self.max_files_bytes)
+                    self.check_code_upload(name, checked)
                     if config is None:
                         raise InvalidInputError(
                             f"parameter 'config' is required when the load request carries "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuserve.errors import GpuserveError, OverloadedError
+from gpuserve.errors import GpuserveError, ModelNotReadyError, OverloadedError
 
 #: The server's name in server metadata.
 SERVER_NAME = "gpuserve"
@@ -27,7 +27,9 @@ def platform(backend: str) -> str:
 
 def retry_after_s(error: GpuserveError) -> int | None:
     """Whole seconds a refused client should wait (``Retry-After``, at least 1), or None when
-    ``error`` is not an overload refusal."""
+    ``error`` is not an overload refusal nor a load on demand held back by its back-off."""
     if isinstance(error, OverloadedError):
+        return max(1, round(error.retry_after_s))
+    if isinstance(error, ModelNotReadyError) and error.retry_after_s is not None:
         return max(1, round(error.retry_after_s))
     return None

@@ -13,6 +13,11 @@ and :class:`LoadedFiles` removes that folder when the model is unloaded or loade
 
 A load configuration that names no backend gets the one its model files tell
 (:func:`with_detected_backend`), as Triton's auto-complete does.
+
+Files that run code when a model loads (:func:`code_files`: Python sources, pickled and
+TorchScript files, native libraries, by name or by their first bytes) are the upload policy's
+concern: without a token they need ``allow_model_upload_code`` (see
+:mod:`gpuserve.service.commands`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,33 @@ FILE_PREFIX = "file:"
 NAME_MAX = 255
 #: Prefix of the temporary folders that hold files sent with a load request.
 TEMP_PREFIX = "gpuserve-load-"
+
+
+#: Name endings of files that run code when a model loads: Python sources and bytecode,
+#: pickles (``torch.save`` files, joblib, ...), TorchScript / ``torch.export`` archives,
+#: native libraries. (``.bin`` is not among them: Triton's warm-up data files are raw
+#: tensors named so; a pickled ``pytorch_model.bin`` is caught by its first bytes.)
+CODE_SUFFIXES = (
+    ".py", ".pyc", ".pyo", ".pyd", ".pyx", ".so", ".dylib", ".dll",
+    ".pt", ".pth", ".pt2", ".pkl", ".pickle", ".ckpt", ".joblib", ".dill",
+    ".jit", ".torchscript",
+)  # fmt: skip
+#: First bytes of a pickle (protocol 2 and later: every ``torch.save`` file of the legacy
+#: format) and of a zip archive (``torch.save``, TorchScript and ``torch.export`` files),
+#: whatever the file is called.
+CODE_MAGIC = (b"\x80", b"PK\x03\x04")
+
+
+def code_files(files: Mapping[tuple[str, ...], bytes]) -> list[str]:
+    """The relative paths among ``files`` (checked path components -> contents) that can run
+    code when a model loads: named with a :data:`CODE_SUFFIXES` ending, or starting like a
+    pickle or a zip archive (:data:`CODE_MAGIC`). Sorted."""
+    found = []
+    for parts, content in files.items():
+        name = parts[-1].lower()
+        if name.endswith(CODE_SUFFIXES) or content.startswith(CODE_MAGIC):
+            found.append("/".join(parts))
+    return sorted(found)
 
 
 def _refuse(path: str, why: str) -> RepositoryPollError:

@@ -218,11 +218,22 @@ class Views:
     def model_ready(self, name: str, version: str | None) -> ReadyView:
         """Whether model ``name`` (version ``version``, else its default version) is ready.
 
+        A model that a request would load on demand (not loaded, or evicted) is ready
+        unless that request would be refused: while the back-off of its last failed load
+        lasts (its folder unchanged), or without a valid configuration. A probe never
+        starts a load. So a client's ``is_model_ready()`` followed by an inference works
+        under ``--load-on-demand``: the inference loads the model.
+
         Raises:
             ModelNotFoundError: no such model or version (any other reason is a not-ready
                 view with the reason).
         """
         check_version_label(name, version)
+        if self.manager.cold(name) and (
+            not version or self._version_folder(name, version)
+        ):
+            why = self.manager.on_demand.ready_reason(name)
+            return ReadyView(why is None, why)
         try:
             self.manager.version(name, version)
         except ModelNotFoundError:
@@ -230,6 +241,13 @@ class Views:
         except GpuserveError as err:
             return ReadyView(False, err.message)
         return ReadyView(True)
+
+    def _version_folder(self, name: str, version: str) -> bool:
+        """Whether model ``name`` has a version folder ``version`` (a cold model's readiness
+        for a named version)."""
+        model = self.manager.models.get(name)
+        path = model.path if model is not None else None
+        return version.isdigit() and path is not None and (path / version).is_dir()
 
     def server_ready(self) -> bool:
         """Server readiness (the rule of :meth:`ModelManager.is_ready`)."""
