@@ -106,8 +106,12 @@ def main() -> int:
                     "{name: y, datatype: FP32, shape: [16]}", IDENTITY_MODEL)
     from gpuserve.cli.main import main as gpuserve_main
 
+    # gRPC and the metrics listener keep gpuserve's default ports unless BENCH_GRPC_PORT /
+    # BENCH_METRICS_PORT move them (another server on this machine holding 8001/8002)
+    ports = [("--grpc-port", "BENCH_GRPC_PORT"), ("--metrics-port", "BENCH_METRICS_PORT")]
+    extra = [arg for flag, env in ports if env in os.environ for arg in (flag, os.environ[env])]
     return gpuserve_main(["serve", "--model-repository", str(root), "--host", HOST,
-                          "--http-port", str(PORT), "--log-level", "warning"])
+                          "--http-port", str(PORT), "--log-level", "warning", *extra])
 
 
 if __name__ == "__main__":
