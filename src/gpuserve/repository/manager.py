@@ -81,8 +81,12 @@ class ModelManager(Router):
         idle_unload_s: float = 0.0,
         model_load_timeout_s: float = 120.0,
         admission_pool: AdmissionPool | None = None,
+        auto_complete: bool = True,
     ) -> None:
         super().__init__({}, strict_readiness=strict_readiness)
+        #: Models and backends complete omitted config fields at load (Triton's
+        #: auto-complete; off with ``--disable-auto-complete-config``).
+        self.auto_complete = auto_complete
         #: The admission threads every loaded version's runner shares (None: steps inline).
         self.admission_pool = admission_pool
         self.ready_when_empty = load_on_demand
@@ -128,6 +132,7 @@ class ModelManager(Router):
             admission_pool=AdmissionPool(
                 config.admission_workers, config.admission_queue, config.admission_inline_bytes
             ),
+            auto_complete=not config.disable_auto_complete_config,
         )
 
     # -- start, poll, stop -----------------------------------------------------------------
@@ -458,7 +463,11 @@ class ModelManager(Router):
             await load_ensemble(mv, self.version_listeners, self)
             return
         await load_version(
-            mv, self.version_listeners, router=self, admission_pool=self.admission_pool
+            mv,
+            self.version_listeners,
+            router=self,
+            admission_pool=self.admission_pool,
+            auto_complete=self.auto_complete,
         )
 
     def _require_explicit(self, action: str) -> None:
