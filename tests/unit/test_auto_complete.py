@@ -218,8 +218,8 @@ def test_with_auto_complete_off_the_hook_does_not_run(tmp_path):
     version, config = _triton_model(tmp_path, 'backend: "python"\n')
     with pytest.raises(ConfigError) as info:
         PythonModelBackend.complete_config(config, version, auto_complete=False)
-    assert "declares no inputs and no outputs" in info.value.message
-    assert "auto-complete is off on this server" in info.value.message
+    assert "model 'm' declares no inputs and no outputs, and auto-complete is off on this " \
+        "server (--disable-auto-complete-config)" in info.value.message
 
 
 # -- gpuserve's Model.complete_config ------------------------------------------------------

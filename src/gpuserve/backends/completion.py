@@ -115,3 +115,19 @@ def validate_completed(data: dict[str, Any], name: str, where: Path, hook: str) 
             f"declare them in the model's configuration or add them in {hook}"
         )
     return config
+
+
+def require_declared(config: ModelConfig, version_path: Path) -> None:
+    """Refuse a configuration without inputs or outputs when nothing may fill them in (the
+    server runs with ``--disable-auto-complete-config``).
+
+    Raises:
+        ConfigError: names the model and what it lacks.
+    """
+    missing = [label for label in ("inputs", "outputs") if not getattr(config, label)]
+    if missing:
+        raise ConfigError(
+            f"{version_path.parent}: model '{config.name}' declares no "
+            f"{' and no '.join(missing)}, and auto-complete is off on this server "
+            "(--disable-auto-complete-config): declare them in its configuration"
+        )

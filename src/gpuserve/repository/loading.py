@@ -14,7 +14,8 @@ import logging
 from collections.abc import Callable
 
 from gpuserve.backends import backend_class, create_backend
-from gpuserve.backends.base import Backend, LoadContext
+from gpuserve.backends.base import LoadContext
+from gpuserve.backends.completion import require_declared
 from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.batch import BatchResult
 from gpuserve.engine.calls import InProcessCaller
@@ -55,7 +56,7 @@ async def load_version(
         # config endpoints all see the completed config.
         backend = backend_class(mv.config.backend)
         if not auto_complete:  # Triton's strict model config: nothing is filled in
-            Backend.complete_config(mv.config, mv.path, auto_complete=False)
+            require_declared(mv.config, mv.path)
         complete = functools.partial(backend.complete_config, auto_complete=auto_complete)
         mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
         for index, device in enumerate(instance_devices(mv.config)):

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
-from gpuserve.backends.completion import check_completion
+from gpuserve.backends.completion import check_completion, require_declared
 from gpuserve.backends.correlation import (
     NO_ID,
     correlation_ids,
@@ -366,13 +366,14 @@ class PythonModelBackend(Backend):
                     return check_completion(config, done, path, "Model.complete_config")
             elif triton is not None and hook_of(triton) is not None:
                 return auto_complete_config(triton, config, version_path)
+        if not auto_complete:
+            require_declared(config, version_path)
         missing = [label for label in ("inputs", "outputs") if not getattr(config, label)]
         if missing:
-            how = "" if auto_complete else " (auto-complete is off on this server)"
             raise ConfigError(
                 f"{path}: model '{config.name}' declares no {' and no '.join(missing)}: backend "
                 "'python' needs them in the configuration, or filled in by model.py "
-                f"(Model.complete_config, or TritonPythonModel.auto_complete_config){how}"
+                "(Model.complete_config, or TritonPythonModel.auto_complete_config)"
             )
         return config
 
