@@ -57,6 +57,7 @@ from gpuserve.protocol.shapes import (
     check_shape,
     element_count,
     format_shape,
+    missing_inputs_error,
     show,
     validate_request_shapes,
 )
@@ -204,7 +205,7 @@ def _decode_outputs(
                 f"are {spec_names(config.outputs)}"
             )
         if name in names:
-            raise InvalidInputError(f"output {name!r} is requested more than once")
+            raise InvalidInputError(f"output '{name}' already exists in request")
         if item.parameters:
             params = {key: parameter_value(value) for key, value in item.parameters.items()}
             binary = params.get("binary_data")
@@ -244,9 +245,7 @@ def decode_infer_request(
     """
     inputs = message.inputs
     if not inputs:
-        raise InvalidInputError(
-            f"'inputs' is empty; model {model_name!r} expects {spec_names(config.inputs)}"
-        )
+        raise missing_inputs_error([], config, model_name)
     raw = message.raw_input_contents
     if raw:  # Triton's check and text, before any count of the entries
         for tensor in inputs:
@@ -274,7 +273,7 @@ def decode_infer_request(
                 f"{spec_names(config.inputs)}"
             )
         if name in arrays:
-            raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")
+            raise InvalidInputError(f"input '{name}' already exists in request")
         datatype = tensor.datatype or None
         shape = list(tensor.shape)
         if tensor.parameters:

@@ -231,6 +231,7 @@ def array_from_raw(
     shape: tuple[int, ...],
     raw: memoryview | bytes,
     size_label: str = "binary_data_size",
+    model: str = "",
 ) -> np.ndarray:
     """Build an input array from its raw little-endian bytes (no copy for fixed-size types).
 
@@ -241,6 +242,7 @@ def array_from_raw(
         raw: Exactly this tensor's bytes.
         size_label: How messages name the byte size (``binary_data_size`` over HTTP,
             ``raw_input_contents size`` over gRPC).
+        model: The model's name, for messages.
 
     Returns:
         For fixed-size types a (possibly read-only, possibly unaligned) view of ``raw``;
@@ -253,7 +255,7 @@ def array_from_raw(
     datatype = spec.datatype
     count = element_count(shape)
     if datatype == "BYTES":
-        items = deserialize_bytes(raw, count, name, size_label)
+        items = deserialize_bytes(raw, count, name, size_label, model)
         array = np.empty(count, dtype=object)
         array[:] = items
         return _reshape(array, shape, name)
@@ -318,7 +320,7 @@ def build_input(
     if limits is not None:
         limits.check_elements(name, dims)
     if raw is not None:
-        array = array_from_raw(spec, name, dims, raw, size_label)
+        array = array_from_raw(spec, name, dims, raw, size_label, config.name or "")
     elif json_data is None:
         raise InvalidInputError(f"input {name!r}: no data (JSON 'data' or binary) was given")
     else:
