@@ -146,7 +146,8 @@ def test_bc01_inputs_not_a_list() -> None:
 def test_bc01_inputs_missing_or_empty() -> None:
     fails(b"{}", "request has no 'inputs'; model 'm' expects 'INPUT0'")
     fails(
-        b'{"inputs": []}', r"^expected 1 inputs but got 0 inputs for model 'm'\. Got input\(s\) \[\]"
+        b'{"inputs": []}',
+        r"^expected 1 inputs but got 0 inputs for model 'm'\. Got input\(s\) \[\]",
     )
 
 

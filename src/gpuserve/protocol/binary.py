@@ -71,7 +71,8 @@ def deserialize_bytes(
     data = bytes(buffer)  # one copy; slicing bytes is cheaper per element than a memoryview
     # Every element costs at least its 4-byte prefix: refuse impossible counts before looping.
     if count * 4 > total:
-        raise InvalidInputError(_fewer(name, model, count, _present(data, total), size_label, total))
+        got = _present(data, total)
+        raise InvalidInputError(_fewer(name, model, count, got, size_label, total))
     unpack = _U32.unpack_from
     out: list[bytes] = []
     append = out.append
