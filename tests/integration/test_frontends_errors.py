@@ -39,17 +39,24 @@ def assert_alive(frontend) -> None:
     np.testing.assert_array_equal(other.outputs["Y"], [[2, 3, 4]])
 
 
-def count_mismatch(name: str, datatype: str, shape: list[int], got: int) -> dict[str, str]:
-    """The message for numeric data of ``got`` elements sent for ``shape``, per encoding."""
+def count_mismatch(
+    name: str, datatype: str, shape: list[int], got: int, model: str = "double_fp32"
+) -> dict[str, str]:
+    """The message for numeric data of ``got`` elements sent for ``shape``, per encoding
+    (the raw ones in Triton's words first)."""
     need = int(np.prod(shape))
     text = f"input {name!r}: shape {shape} needs {need} elements, got {got}"
-    sizes = f"{got * ITEMSIZE[datatype]} does not match shape {shape} {datatype} = "
-    sizes += f"{need * ITEMSIZE[datatype]} bytes"
+    got_bytes, need_bytes = got * ITEMSIZE[datatype], need * ITEMSIZE[datatype]
+    triton = (
+        f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
+        f"{need_bytes}, got {got_bytes}"
+    )
+    sizes = f"{got_bytes} does not match shape {shape} {datatype} = {need_bytes} bytes)"
     return {
         "json": text,
         "contents": f"{text} in contents.{FIELD[datatype]}",
-        "binary": f"input {name!r}: binary_data_size {sizes}",
-        "raw": f"input {name!r}: raw_input_contents size {sizes}",
+        "binary": f"{triton} (input {name!r}: binary_data_size {sizes}",
+        "raw": f"{triton} (input {name!r}: raw_input_contents size {sizes}",
     }
 
 

@@ -262,9 +262,10 @@ def array_from_raw(
     dtype = NUMPY_DTYPES[datatype]
     need = count * dtype.itemsize
     if len(raw) != need:
-        raise InvalidInputError(
-            f"input {name!r}: {size_label} {len(raw)} does not match shape "
-            f"{format_shape(shape)} {datatype} = {need} bytes"
+        raise InvalidInputError(  # Triton's words first (its qa tests compare them)
+            f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
+            f"{need}, got {len(raw)} (input {name!r}: {size_label} {len(raw)} does not match "
+            f"shape {format_shape(shape)} {datatype} = {need} bytes)"
         )
     if datatype == "BOOL" and need and np.frombuffer(raw, dtype=np.uint8).max() > 1:
         raise InvalidInputError(

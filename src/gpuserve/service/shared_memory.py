@@ -153,8 +153,9 @@ class SharedMemoryRegistry:
                 # file it could not open itself
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             except OSError as err:
-                raise InvalidInputError(
-                    f"shared-memory region {name!r}: cannot open key {key!r} ({err.strerror})"
+                raise InvalidInputError(  # Triton's words first
+                    f"Unable to open shared memory region: '{key}' (region {name!r}: cannot "
+                    f"open key {key!r}: {err.strerror})"
                 ) from None
             try:
                 info = os.fstat(fd)
