@@ -257,7 +257,9 @@ def test_bounds_are_refused_with_400_naming_region_offset_and_size(server, regio
         match="failed to register shared memory region 'past': invalid args .*exceeds the size 64",
     ):  # Triton's words first: its qa tests look for "failed to register ... invalid args"
         client.register_system_shared_memory("past", key, 32, offset=40)
-    with pytest.raises(InferenceServerException, match="Unable to open shared memory region: .* cannot open key"):
+    with pytest.raises(
+        InferenceServerException, match="Unable to open shared memory region: .* cannot open key"
+    ):
         client.register_system_shared_memory("none", "/gpuserve_missing_key", 8)
     with pytest.raises(InferenceServerException, match="already in manager"):
         client.register_system_shared_memory("small", key, 8)
