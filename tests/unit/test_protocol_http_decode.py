@@ -616,7 +616,7 @@ def test_shared_memory_refused() -> None:
             input0((1, 4), parameters={"shared_memory_region": "r", "shared_memory_byte_size": 16})
         ]
     }
-    fails(header, "shared memory is not supported", DOUBLE4)
+    fails(header, "parameter .shared_memory_region.: Client shared memory is disabled", DOUBLE4)
 
 
 # --- BC-07: zero-size tensors ---------------------------------------------------------------
