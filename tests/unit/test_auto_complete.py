@@ -285,6 +285,13 @@ def test_a_gpuserve_model_may_not_change_a_declared_tensor(tmp_path):
     ) in info.value.message
 
 
+def test_a_gpuserve_model_whose_hook_raises_fails_the_load_with_the_cause(tmp_path):
+    body = 'raise ValueError("no tensors today")'
+    version, config = _gpuserve_model(tmp_path, {"backend": "python"}, body)
+    with pytest.raises(ConfigError, match="Model.complete_config failed: no tensors today"):
+        PythonModelBackend.complete_config(config, version)
+
+
 def test_a_gpuserve_model_may_not_change_other_fields(tmp_path):
     body = 'return config.model_copy(update={"precision": "fp16"})'
     version, config = _gpuserve_model(tmp_path, {"backend": "python"}, body)

@@ -362,7 +362,10 @@ class PythonModelBackend(Backend):
             if model is not None:
                 hook = getattr(model, "complete_config", None)
                 if hook is not None:
-                    done = hook(config)
+                    try:
+                        done = hook(config)
+                    except Exception as err:  # user code: a load failure with its cause
+                        raise ConfigError(f"{path}: Model.complete_config failed: {err}") from err
                     return check_completion(config, done, path, "Model.complete_config")
             elif triton is not None and hook_of(triton) is not None:
                 return auto_complete_config(triton, config, version_path)
