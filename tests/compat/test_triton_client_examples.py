@@ -7,7 +7,8 @@ The server serves :mod:`tests.fixtures.triton_examples` (``simple``, ``simple_st
 mode with every model loaded and with client shared memory allowed. Each example runs as its
 own process, with ``-u`` pointing at the server (the one example with hard-coded ports runs
 only when 8000/8001 are free and the server could take them); an example passes when it exits
-0.
+0 (and, for those in :data:`PASS_LINES`, which exit 0 either way, prints its PASS line:
+Triton's error text matched).
 
 Examples not run here, each with its reason: CUDA shared memory (needs a GPU), DALI
 (``ensemble_image_client``), the two that require the server to call itself "triton", any
@@ -17,7 +18,9 @@ other areas and are run by those areas' tests with the same variable: sequence b
 (``tests/integration/test_decoupled.py``). The two model-control examples count the models of
 Triton's own example repository (7 over HTTP, 8 over gRPC): :func:`test_model_control_example`
 runs each against a server of its own whose repository holds that many models
-(:func:`~tests.fixtures.triton_examples.write_model_control_examples`).
+(:func:`~tests.fixtures.triton_examples.write_model_control_examples`), with ``simple`` a
+Python model whose ``config.pbtxt`` names only its backend and whose ``auto_complete_config``
+completes it (also under the load request's override ``{"max_batch_size": "16"}``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,12 @@ RUNS = {
     "grpc_image_client.py": [[*IMAGE, "{image}"]],
     "reuse_infer_objects_client.py": [["-i", "http"], ["-i", "grpc"]],
     "memory_growth_test.py": [["-r", "20", "-i", "http"], ["-r", "20", "-i", "grpc"]],
+}
+#: Examples that exit 0 whether or not the server's error text matched Triton's, each with
+#: the line they print when it did (the test requires it).
+PASS_LINES = {
+    "grpc_explicit_int_content_client.py": "PASS: explicit int",
+    "grpc_explicit_int8_content_client.py": "PASS: explicit int8",
 }
 #: The model-control examples, each with the number of models its repository index must
 #: hold; run by :func:`test_model_control_example`, each against a server of its own.
@@ -189,6 +198,11 @@ def test_example_runs_unchanged(name, server, image):
             f"{' '.join(command[1:])} exited {done.returncode}\n"
             f"stdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}"
         )
+        if name in PASS_LINES:
+            assert PASS_LINES[name] in done.stdout, (
+                f"{name} did not print {PASS_LINES[name]!r} (the server's error text differs "
+                f"from Triton's)\nstdout: {done.stdout[-2000:]}\nstderr: {done.stderr[-2000:]}"
+            )
 
 
 @pytest.mark.slow

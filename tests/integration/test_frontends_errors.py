@@ -39,17 +39,24 @@ def assert_alive(frontend) -> None:
     np.testing.assert_array_equal(other.outputs["Y"], [[2, 3, 4]])
 
 
-def count_mismatch(name: str, datatype: str, shape: list[int], got: int) -> dict[str, str]:
-    """The message for numeric data of ``got`` elements sent for ``shape``, per encoding."""
+def count_mismatch(
+    name: str, datatype: str, shape: list[int], got: int, model: str = "double_fp32"
+) -> dict[str, str]:
+    """The message for numeric data of ``got`` elements sent for ``shape``, per encoding
+    (the raw ones in Triton's words first)."""
     need = int(np.prod(shape))
     text = f"input {name!r}: shape {shape} needs {need} elements, got {got}"
-    sizes = f"{got * ITEMSIZE[datatype]} does not match shape {shape} {datatype} = "
-    sizes += f"{need * ITEMSIZE[datatype]} bytes"
+    got_bytes, need_bytes = got * ITEMSIZE[datatype], need * ITEMSIZE[datatype]
+    triton = (
+        f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
+        f"{need_bytes}, got {got_bytes}"
+    )
+    sizes = f"{got_bytes} does not match shape {shape} {datatype} = {need_bytes} bytes)"
     return {
         "json": text,
         "contents": f"{text} in contents.{FIELD[datatype]}",
-        "binary": f"input {name!r}: binary_data_size {sizes}",
-        "raw": f"input {name!r}: raw_input_contents size {sizes}",
+        "binary": f"{triton} (input {name!r}: binary_data_size {sizes}",
+        "raw": f"{triton} (input {name!r}: raw_input_contents size {sizes}",
     }
 
 
@@ -75,9 +82,10 @@ NEGATIVE = (
     "concrete non-negative integers"
 )
 TWO_BYTES = "input 'TEXT': shape [2, 1] needs 2 elements, got 1"
-TOO_SMALL = (
-    " 5 is too small for 2 BYTES elements (each element needs a 4-byte length prefix, so at "
-    "least 8 bytes)"
+#: Triton's words for too few BYTES elements, then the byte size.
+TOO_FEW = (
+    "expected 2 string elements for inference input 'TEXT' for model 'echo_bytes', got 1 "
+    "({} 5)"
 )
 
 CASES = [
@@ -148,13 +156,14 @@ CASES = [
         "no-inputs",
         "double_fp32",
         [],
-        "'inputs' is empty; model 'double_fp32' expects 'INPUT0'",
+        "expected 1 inputs but got 0 inputs for model 'double_fp32'. Got input(s) [], but "
+        "missing required input(s) ['INPUT0']. Please provide all required input(s).",
     ),
     Case(
         "repeated-input",
         "double_fp32",
         fp32([1, 16], ROW) * 2,
-        "input 'INPUT0' appears more than once in 'inputs'",
+        "input 'INPUT0' already exists in request",
     ),
     # BC-03: datatypes
     Case(
@@ -183,8 +192,8 @@ CASES = [
         {
             "json": TWO_BYTES,
             "contents": f"{TWO_BYTES} in contents.bytes_contents",
-            "binary": f"input 'TEXT': binary_data_size{TOO_SMALL}",
-            "raw": f"input 'TEXT': raw_input_contents size{TOO_SMALL}",
+            "binary": TOO_FEW.format("binary_data_size"),
+            "raw": TOO_FEW.format("raw_input_contents size"),
         },
     ),
     # BC-07: an empty batch
@@ -218,7 +227,7 @@ CASES = [
         "repeated-output",
         "double_fp32",
         fp32([1, 16], ROW),
-        "output 'OUTPUT0' is requested more than once",
+        "output 'OUTPUT0' already exists in request",
         {"outputs": ["OUTPUT0", "OUTPUT0"]},
     ),
     Case(

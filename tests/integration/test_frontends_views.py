@@ -137,12 +137,14 @@ NOT_FOUND = [
     (
         "infer-label",
         lambda f: f.infer("double_fp32", [tensor("INPUT0", ROW)], version="x1"),
-        "model 'double_fp32' has no version 'x1' (versions are positive integers)",
+        "model 'double_fp32' has no version 'x1': failed to get model version from specified "
+        "version string 'x1', version should be an integral value > 0",
     ),
     (
         "metadata-label",
         lambda f: f.model_metadata("double_fp32", "x1"),
-        "model 'double_fp32' has no version 'x1' (versions are positive integers)",
+        "model 'double_fp32' has no version 'x1': failed to get model version from specified "
+        "version string 'x1', version should be an integral value > 0",
     ),
 ]
 

@@ -162,7 +162,10 @@ def serialized(items: list[bytes]) -> bytes:
     [
         (text([2, 1], [1, 2], field="int_contents"), ["bytes_contents", "int_contents"]),
         (text([1, 1], raw=b"\x05\0\0\0ab"), ["BYTES", "5"]),
-        (text([1, 1], raw=serialized([b"a", b"b"])), ["left over"]),
+        (
+            text([1, 1], raw=serialized([b"a", b"b"])),
+            ["unexpected number of string elements 2", "expecting 1"],
+        ),
     ],
 )
 def test_bc04_bad_bytes_data_is_invalid_argument(stub, message, mentions):

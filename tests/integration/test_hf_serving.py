@@ -67,6 +67,28 @@ def test_config_is_completed_from_the_folder(server):
     assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
 
 
+def test_triton_config_view_shows_the_backend_settings_in_parameters(server):
+    """``/v2/models/{m}/config`` and gRPC ``ModelConfig`` carry the huggingface section's
+    settings in Triton's ``parameters`` map (``{"key": {"string_value": "..."}}``)."""
+    body = httpx.get(f"{server.url}/v2/models/minilm/config").json()
+    assert body["parameters"] == {
+        "task": {"string_value": "feature-extraction"},
+        "model_dir": {"string_value": str(minilm_dir())},
+    }
+    body = httpx.get(f"{server.url}/v2/models/classifier/config").json()
+    assert body["parameters"] == {
+        "task": {"string_value": "sequence-classification"},
+        "max_length": {"string_value": "64"},
+    }
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    parameters = client.get_model_config("classifier").config.parameters
+    assert {key: value.string_value for key, value in parameters.items()} == {
+        "task": "sequence-classification",
+        "max_length": "64",
+    }
+
+
 def test_feature_extraction_over_http_matches_sentence_transformers(server):
     out = infer(server, "minilm", SENTENCES)["EMBEDDING"]
     got = np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])

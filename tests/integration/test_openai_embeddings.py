@@ -495,6 +495,26 @@ def test_unknown_paths_and_methods(server):
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     bad_json = httpx.post(f"{server.url}/v1/embeddings", content=b"{", timeout=10)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    for method in ("POST", "PUT", "DELETE", "PATCH"):  # an unknown path is 404 whatever the method
+        other = httpx.request(method, f"{server.url}/v1/chat/completions", timeout=10)
+        assert other.status_code == 404, method
+        assert other.json() == {
+            "error": {
+                "message": f"Invalid URL ({method} /v1/chat/completions)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
+
+
+def test_chat_completions_is_openai_not_found_for_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(
+            model="ids_model", messages=[{"role": "user", "content": "hello"}]
+        )
+    assert caught.value.status_code == 404
+    assert caught.value.message.endswith("Invalid URL (POST /v1/chat/completions)")
 
 
 @pytest.fixture(scope="module")

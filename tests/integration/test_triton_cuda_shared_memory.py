@@ -322,7 +322,7 @@ def test_register_refusals_name_the_value(server, fake, clean, kind):
         client.register_system_shared_memory("sys", key, 64)
         with pytest.raises(InferenceServerException, match="'sys' already in manager"):
             register(client, "sys", device, 64)
-        with pytest.raises(InferenceServerException, match="'taken' is already registered"):
+        with pytest.raises(InferenceServerException, match="'taken' already in manager"):
             client.register_system_shared_memory("taken", key, 64)
     finally:
         client.unregister_system_shared_memory()

@@ -174,10 +174,15 @@ def test_completed_config_is_validated_again():
     assert "preferred_batch_sizes entry 8 exceeds max_batch_size=4" in text
 
 
-def test_python_backend_still_needs_declarations():
+def test_python_backend_needs_declarations_at_load_without_a_completion_hook(tmp_path):
+    from gpuserve.backends.triton_python.backend import PythonModelBackend
+
+    cfg = parse_model_config({"backend": "python", "outputs": [spec("O")]}, PATH, "m")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.py").write_text("class Model:\n    pass\n")
     with pytest.raises(ConfigError) as info:
-        parse_model_config({"backend": "python", "outputs": [spec("O")]}, PATH, "m")
-    assert "backend 'python' needs inputs declared" in info.value.message
+        PythonModelBackend.complete_config(cfg, tmp_path / "1")
+    assert "model 'm' declares no inputs: backend 'python' needs them" in info.value.message
 
 
 def test_onnx_section_validates_providers():

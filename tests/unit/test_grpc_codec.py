@@ -119,7 +119,7 @@ def test_parameters_outputs_and_id():
         decode(message, "FP32")
     message.parameters["timeout"].int64_param = 100
     message.outputs.add(name="Y")
-    with pytest.raises(InvalidInputError, match="requested more than once"):
+    with pytest.raises(InvalidInputError, match="already exists in request"):
         decode(message, "FP32")
 
 

@@ -60,6 +60,7 @@ SAMPLES: dict[str, tuple[str, str, bytes, Any]] = {
     "Exact('/v2')": ("GET", "/v2/", b"", ()),
     "Exact('/v2/openapi.json')": ("GET", "/v2/openapi.json", b"", ()),
     "Exact('/v2/models/stats')": ("GET", "/v2/models/stats", b"", ()),
+    "Exact('/v2/models')": ("GET", "/v2/models/", b"", ()),
     "ModelView('')": ("GET", "/v2/models/m/versions/3", b"", ("m", "3", "")),
     "ModelView('ready')": ("HEAD", "/v2/models/m/ready", b"", ("m", None, "ready")),
     "ModelView('config')": (

@@ -145,7 +145,10 @@ def test_bc01_inputs_not_a_list() -> None:
 
 def test_bc01_inputs_missing_or_empty() -> None:
     fails(b"{}", "request has no 'inputs'; model 'm' expects 'INPUT0'")
-    fails(b'{"inputs": []}', "'inputs' is empty")
+    fails(
+        b'{"inputs": []}',
+        r"^expected 1 inputs but got 0 inputs for model 'm'\. Got input\(s\) \[\]",
+    )
 
 
 def test_bc01_missing_shape() -> None:
@@ -181,12 +184,12 @@ def test_bc01_broken_utf8() -> None:
 
 def test_repeated_input_name() -> None:
     item = input0(data=list(range(16)))
-    fails({"inputs": [item, item]}, "input 'INPUT0' appears more than once")
+    fails({"inputs": [item, item]}, "input 'INPUT0' already exists in request")
 
 
 def test_missing_required_input() -> None:
     body = {"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "data": [1, 2]}]}
-    fails(body, r"missing required input\(s\) 'attention_mask'", TWO_INPUTS)
+    fails(body, r"missing required input\(s\) \['attention_mask'\]", TWO_INPUTS)
 
 
 def test_optional_input_may_be_omitted_and_batches_must_agree() -> None:
@@ -577,7 +580,7 @@ def test_binary_bytes_wrong_count() -> None:
     body, length = binary_body(header, wire)
     fails(
         body,
-        "2 BYTES elements use 10 bytes but binary_data_size is 15",
+        "unexpected number of string elements 3 for inference input 'TEXT' for model ",
         ECHO_BYTES,
         header_length=length,
     )
@@ -613,7 +616,7 @@ def test_shared_memory_refused() -> None:
             input0((1, 4), parameters={"shared_memory_region": "r", "shared_memory_byte_size": 16})
         ]
     }
-    fails(header, "shared memory is not supported", DOUBLE4)
+    fails(header, "parameter .shared_memory_region.: Client shared memory is disabled", DOUBLE4)
 
 
 # --- BC-07: zero-size tensors ---------------------------------------------------------------
@@ -729,7 +732,7 @@ def test_empty_outputs_means_all() -> None:
         ({"name": "OUTPUT0"}, "'outputs' must be a JSON array"),
         (["OUTPUT0"], r"outputs\[0\] must be a JSON object"),
         ([{"name": 1}], r"outputs\[0\]: 'name' must be a string"),
-        ([{"name": "OUTPUT0"}, {"name": "OUTPUT0"}], "requested more than once"),
+        ([{"name": "OUTPUT0"}, {"name": "OUTPUT0"}], "already exists in request"),
         (
             [{"name": "OUTPUT0", "parameters": {"binary_data": "yes"}}],
             "'binary_data' must be true or false",

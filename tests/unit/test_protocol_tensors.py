@@ -460,8 +460,18 @@ def test_raw_bytes_elements() -> None:
 
 def test_raw_bytes_count_mismatch() -> None:
     wire = bytes_wire(b"a", b"b", b"c")
-    with raises(r"2 BYTES elements use 10 bytes but binary_data_size is 15; 5 bytes are left"):
-        array_from_raw(spec("BYTES", shape=[1]), "TEXT", (2, 1), wire)
+    with raises(
+        r"unexpected number of string elements 3 for inference input 'TEXT' for model 'm', "
+        r"expecting 2 \(binary_data_size 15, 2 elements use 10 bytes\)"
+    ):
+        array_from_raw(spec("BYTES", shape=[1]), "TEXT", (2, 1), wire, model="m")
+    with raises(r"2 BYTES elements use 10 bytes but binary_data_size is 13; 3 bytes are left"):
+        array_from_raw(spec("BYTES", shape=[1]), "TEXT", (2, 1), wire[:13])
+    with raises(
+        r"expected 4 string elements for inference input 'TEXT' for model 'm', got 3 "
+        r"\(binary_data_size 15\)"
+    ):
+        array_from_raw(spec("BYTES", shape=[1]), "TEXT", (4, 1), wire, model="m")
     with raises("BYTES element 3 starts at byte 15"):
         array_from_raw(spec("BYTES", shape=[1]), "TEXT", (4, 1), wire + b"\0\0")
 
@@ -473,7 +483,8 @@ def test_raw_bytes_length_runs_past_end() -> None:
 
 
 def test_raw_bytes_impossible_count_refused_before_looping() -> None:
-    with raises("too small for 18446744073709551616 BYTES elements"):
+    # refused at once: what is counted is the buffer's elements (two empty ones), not 2**64
+    with raises("expected 18446744073709551616 string elements for inference input 'T' .* got 2"):
         array_from_raw(spec("BYTES", shape=[-1, -1]), "T", (4294967296, 4294967296), b"\0" * 8)
 
 
@@ -535,8 +546,17 @@ def test_validate_request_shapes_batch_agreement() -> None:
 def test_validate_request_shapes_missing_required() -> None:
     optional = TensorSpec(name="MASK", datatype="INT64", shape=[-1], optional=True)
     cfg = config(spec(name="A", shape=[-1]), spec(name="B", shape=[2]), optional)
-    with raises(r"missing required input\(s\) 'B'; the model's inputs are 'A', 'B', 'MASK'"):
+    cfg = cfg.model_copy(update={"name": "m"})
+    with raises(
+        r"^expected number of inputs between 2 and 3 but got 1 inputs for model 'm'\. Got "
+        r"input\(s\) \['A'\], but missing required input\(s\) \['B'\]\. Please provide all "
+        r"required input\(s\)\.$"
+    ):
         validate_request_shapes({"A": (1, 5)}, cfg)
+    every = config(spec(name="A", shape=[-1]), spec(name="B", shape=[2]))
+    every = every.model_copy(update={"name": "m"})
+    with raises(r"^expected 2 inputs but got 1 inputs for model 'm'\. Got input\(s\) \['B'\], "):
+        validate_request_shapes({"B": (1, 2)}, every)
     assert validate_request_shapes({"A": (1, 5), "B": (1, 2)}, cfg) == 1
 
 

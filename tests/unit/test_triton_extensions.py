@@ -153,7 +153,7 @@ def test_grpc_shared_memory_input_has_no_raw_entry_and_output_an_empty_one(regis
     assert encoded.outputs[0].datatype == "INT32" and not encoded.outputs[0].parameters
     assert np.frombuffer(registry.view("out", 0, 16), np.int32).tolist() == [108, 109, 110, 111]
     disabled = grpc_codec.GrpcInferMessage(message)  # the switch off
-    with pytest.raises(InvalidInputError, match="unless it runs with --allow-client-shm"):
+    with pytest.raises(InvalidInputError, match="Client shared memory is disabled. Start the"):
         disabled.decode(ADD, "add", None)
 
 

@@ -261,7 +261,9 @@ class Backend(abc.ABC):
             self.stream(call.inputs, call.sink)
 
     @classmethod
-    def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
+    def complete_config(
+        cls, config: ModelConfig, version_path: Path, *, auto_complete: bool = True
+    ) -> ModelConfig:
         """Complete ``config`` from the model file of one version, or check it against it.
 
         The model manager calls this once per version, off the event loop and before any
@@ -274,6 +276,10 @@ class Backend(abc.ABC):
         Args:
             config: The validated ``config.yaml`` of the model.
             version_path: The version folder (``<repository>/<model>/<version>``).
+            auto_complete: False when the server runs with ``--disable-auto-complete-config``
+                (Triton's flag): the model manager has then already refused omitted inputs
+                or outputs, and a backend only checks the config against the model file (a
+                Python model's own completion hook does not run).
 
         Returns:
             The config to serve this version with (``config`` itself when nothing changes).

@@ -301,7 +301,9 @@ class HuggingFaceBackend(Backend):
         self._step: AdmissionStep | None = None
 
     @classmethod
-    def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
+    def complete_config(
+        cls, config: ModelConfig, version_path: Path, *, auto_complete: bool = True
+    ) -> ModelConfig:
         return complete_hf_config(config, version_path)
 
     def load(self, context: LoadContext) -> None:

@@ -204,7 +204,9 @@ class OnnxBackend(Backend):
         self.config: ModelConfig | None = None
 
     @classmethod
-    def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
+    def complete_config(
+        cls, config: ModelConfig, version_path: Path, *, auto_complete: bool = True
+    ) -> ModelConfig:
         config_path = version_path.parent / CONFIG_FILENAME
         if config.precision != "fp32":
             raise ConfigError(

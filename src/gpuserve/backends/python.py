@@ -43,6 +43,15 @@ or the ones it has). The stream's final mark follows the generator's end; an exc
 the stream with that error. ``yield`` blocks while the client reads slowly (bounded buffer),
 and when the client cancels or goes away the generator is closed (``GeneratorExit`` at the
 ``yield``; its ``finally`` runs).
+
+A model may **complete its own configuration** (inputs, outputs, ``max_batch_size``, ...) once
+per version at load, before the configuration is validated, so ``config.yaml`` may leave them
+out (rules in :mod:`gpuserve.backends.completion`; ``--disable-auto-complete-config`` turns it
+off)::
+
+        @classmethod
+        def complete_config(cls, config):   # ModelConfig -> ModelConfig
+            return config.model_copy(update={"inputs": [...], "outputs": [...]})
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ import numpy as np
 from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.streaming import ResponseSink, run_generator
+from gpuserve.config import ModelConfig
 from gpuserve.errors import ConfigError
 
 
@@ -66,6 +76,18 @@ class PythonModel:
     """
 
     context: LoadContext
+
+    @classmethod
+    def complete_config(cls, config: ModelConfig) -> ModelConfig:
+        """Optional: complete the model's configuration once per version at load, before it
+        is validated and before any instance exists (gpuserve's form of Triton's
+        ``auto_complete_config``). Return ``config.model_copy(update={...})`` with
+        ``max_batch_size``, more ``inputs``/``outputs`` (:class:`~gpuserve.config.TensorSpec`),
+        ``dynamic_batching`` or ``model_transaction_policy`` set; declared tensors, a
+        configured larger ``max_batch_size`` and every other field must stay as they are
+        (:mod:`gpuserve.backends.completion`). Default: ``config`` unchanged.
+        """
+        return config
 
     def load(self, context: LoadContext) -> None:
         """Load weights; ``context.device`` names the device. Default: nothing."""

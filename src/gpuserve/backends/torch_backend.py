@@ -107,7 +107,9 @@ class TorchBackend(Backend):
         self._tensor_dtypes: dict[str, torch.dtype] = {}  # declared output dtypes, for torch
 
     @classmethod
-    def complete_config(cls, config: ModelConfig, version_path: Path) -> ModelConfig:
+    def complete_config(
+        cls, config: ModelConfig, version_path: Path, *, auto_complete: bool = True
+    ) -> ModelConfig:
         """Complete/check ``config`` from a ``model.pt2`` program; other formats must declare.
 
         A ``torch.export`` program is called positionally, so its inputs are matched to the

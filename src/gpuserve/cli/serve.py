@@ -47,12 +47,23 @@ SERVE_FIELDS += [  # security and limits
     "http_keep_alive_timeout_s",
 ]
 SERVE_FIELDS += ["allow_client_shm"]  # Triton's shared-memory extension
+SERVE_FIELDS += ["disable_auto_complete_config"]  # Triton's auto-complete switch
 SERVE_FIELDS += [  # models' admission steps
     "admission_workers",
     "admission_queue",
     "admission_inline_bytes",
 ]
 SERVE_FIELDS += ["malloc_arena_max", "malloc_mmap_threshold_bytes", "memory_trim_interval_s"]
+
+
+def _boolean(text: str) -> bool:
+    """Triton's boolean flag values: true/false, 1/0, yes/no, on/off (any case)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def register(sub: Any) -> None:
@@ -163,6 +174,21 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Triton's system/CUDA shared-memory extension: tensors through regions "
         "clients register (or GPUSERVE_ALLOW_CLIENT_SHM; default off)",
+    )
+    serve.add_argument(
+        "--disable-auto-complete-config",
+        action="store_true",
+        default=None,
+        help="fill in nothing at load (Triton's flag): no Python model completion hook "
+        "(auto_complete_config, Model.complete_config), no tensors read from model files; "
+        "every config declares its inputs and outputs (or GPUSERVE_DISABLE_AUTO_COMPLETE_CONFIG)",
+    )
+    serve.add_argument(
+        "--strict-model-config",
+        type=_boolean,
+        metavar="BOOL",
+        help="Triton's older spelling: true is --disable-auto-complete-config, false leaves "
+        "auto-complete on (default false)",
     )
     serve.add_argument(
         "--max-header-bytes",
@@ -292,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = {
         name: getattr(args, name) for name in SERVE_FIELDS if getattr(args, name, None) is not None
     }
+    strict = getattr(args, "strict_model_config", None)
+    if strict is not None:  # --disable-auto-complete-config wins when both are given
+        overrides.setdefault("disable_auto_complete_config", strict)
     try:
         config = ServerConfig(**overrides)
     except ValidationError as err:

@@ -341,8 +341,9 @@ class ModelConfig(_Strict):
             batch dimension and each request runs alone.
         inputs / outputs: Declared tensors, shapes without the batch dimension. May be
             omitted (or empty) where the model file declares them (``onnx``, ``torch`` with
-            ``model.pt2``, ``huggingface``): the backend then fills them in at load (see
-            ``Backend.complete_config``).
+            ``model.pt2``, ``huggingface``) or a Python model completes them
+            (``Model.complete_config``, Triton's ``auto_complete_config``): the backend then
+            fills them in at load (see ``Backend.complete_config``).
         dynamic_batching: Batching and queueing policy.
         instance_group: Copies of the model and their devices.
         precision: Compute precision; clients keep the declared datatypes. ``int8`` is
@@ -407,14 +408,6 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.backend == "python":
-            # A Python class declares nothing the server could read its tensors from.
-            for label in ("inputs", "outputs"):
-                if not getattr(self, label):
-                    raise ValueError(
-                        f"backend 'python' needs {label} declared (only 'onnx', 'huggingface' "
-                        "and 'torch' with a model.pt2 can fill them in from the model files)"
-                    )
         for group, label in ((self.inputs, "inputs"), (self.outputs, "outputs")):
             names = [t.name for t in group]
             dupes = sorted({n for n in names if names.count(n) > 1})

@@ -94,6 +94,11 @@ class ServerConfig(BaseSettings):
         allow_client_shm: Serve Triton's system (and CUDA) shared-memory extension: clients
             register regions and send inputs / receive outputs through them instead of the
             request body (off by default: it lets a client make the server map its shm files).
+        disable_auto_complete_config: Triton's ``--disable-auto-complete-config`` (and
+            ``--strict-model-config=true``): nothing is filled in at load, neither by a
+            Python model's completion hook (``auto_complete_config``, ``complete_config``)
+            nor from a model file (ONNX, ``torch.export``, huggingface): every model must
+            declare its inputs and outputs.
         admission_workers: Threads that run models' admission steps (the built-in text
             models count tokens and cut long texts there, per request, before batching);
             default: the CPU count, 1 to 4.
@@ -149,6 +154,7 @@ class ServerConfig(BaseSettings):
     model_load_timeout_s: float = Field(default=120.0, gt=0)
     allow_model_upload_code: bool = False
     allow_client_shm: bool = False
+    disable_auto_complete_config: bool = False
     admission_workers: int = Field(
         default_factory=lambda: max(1, min(4, os.cpu_count() or 1)), ge=1, le=64
     )

@@ -18,8 +18,32 @@ _U32 = struct.Struct("<I")
 _MAX_ELEMENT_BYTES = 0xFFFFFFFF
 
 
+def _present(data: bytes, total: int) -> int:
+    """How many whole elements ``data`` (``total`` bytes) holds from its start."""
+    pos = found = 0
+    while pos + 4 <= total:
+        (length,) = _U32.unpack_from(data, pos)
+        if pos + 4 + length > total:
+            break
+        pos += 4 + length
+        found += 1
+    return found
+
+
+def _fewer(name: str, model: str, count: int, got: int, size_label: str, total: int) -> str:
+    # Triton's words (its qa tests compare them), then the byte size
+    return (
+        f"expected {count} string elements for inference input '{name}' for model "
+        f"'{model}', got {got} ({size_label} {total})"
+    )
+
+
 def deserialize_bytes(
-    buffer: memoryview | bytes, count: int, name: str, size_label: str = "binary_data_size"
+    buffer: memoryview | bytes,
+    count: int,
+    name: str,
+    size_label: str = "binary_data_size",
+    model: str = "",
 ) -> list[bytes]:
     """Split a serialized BYTES tensor into its elements.
 
@@ -30,28 +54,33 @@ def deserialize_bytes(
         name: Input name, for messages.
         size_label: How messages name the buffer's size (``binary_data_size`` over HTTP,
             ``raw_input_contents size`` over gRPC).
+        model: The model's name, for messages.
 
     Returns:
         ``count`` ``bytes`` objects, row-major (the caller reshapes them).
+
+    Too few or too many elements are refused in Triton's words: ``expected 16 string
+    elements for inference input 'INPUT1' for model 'm', got 14`` / ``unexpected number of
+    string elements 17 for inference input 'INPUT1' for model 'm', expecting 16``.
 
     Raises:
         InvalidInputError: the buffer holds fewer or more than ``count`` elements, an
             element's length runs past the end, or bytes are left over.
     """
     total = len(buffer)
+    data = bytes(buffer)  # one copy; slicing bytes is cheaper per element than a memoryview
     # Every element costs at least its 4-byte prefix: refuse impossible counts before looping.
     if count * 4 > total:
-        raise InvalidInputError(
-            f"input {name!r}: {size_label} {total} is too small for {count} BYTES elements "
-            f"(each element needs a 4-byte length prefix, so at least {count * 4} bytes)"
-        )
-    data = bytes(buffer)  # one copy; slicing bytes is cheaper per element than a memoryview
+        got = _present(data, total)
+        raise InvalidInputError(_fewer(name, model, count, got, size_label, total))
     unpack = _U32.unpack_from
     out: list[bytes] = []
     append = out.append
     pos = 0
     for index in range(count):
         if pos + 4 > total:
+            if pos == total:  # the elements ended: fewer than the shape asks for
+                raise InvalidInputError(_fewer(name, model, count, index, size_label, total))
             raise InvalidInputError(
                 f"input {name!r}: BYTES element {index} starts at byte {pos} but its 4-byte "
                 f"length prefix runs past the end of {size_label} {total}"
@@ -67,6 +96,12 @@ def deserialize_bytes(
         append(data[pos:end])
         pos = end
     if pos != total:
+        if total - pos >= 4 and pos + 4 + _U32.unpack_from(data, pos)[0] <= total:
+            raise InvalidInputError(  # at least one more whole element: Triton's words
+                f"unexpected number of string elements {count + 1} for inference input "
+                f"'{name}' for model '{model}', expecting {count} ({size_label} {total}, "
+                f"{count} elements use {pos} bytes)"
+            )
         raise InvalidInputError(
             f"input {name!r}: {count} BYTES elements use {pos} bytes but {size_label} is "
             f"{total}; {total - pos} bytes are left over"

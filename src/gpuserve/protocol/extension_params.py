@@ -35,9 +35,9 @@ SHM_KEYS = (REGION, BYTE_SIZE, OFFSET)
 CLASSIFICATION = "classification"
 
 #: What a client is told when it sends shared-memory parameters to a server without them.
-DISABLED = (
-    "client shared memory is not supported by this server unless it runs with "
-    "--allow-client-shm (GPUSERVE_ALLOW_CLIENT_SHM=1)"
+DISABLED = (  # Triton's words first (its tests look for them)
+    "Client shared memory is disabled. Start the server with --allow-client-shm "
+    "(GPUSERVE_ALLOW_CLIENT_SHM=1) to enable."
 )
 
 

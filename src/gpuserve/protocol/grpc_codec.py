@@ -17,7 +17,8 @@ size must match the shape; messages name the input, what was received and what w
 Policies (those of Triton where Triton has one):
 
 * ``raw_input_contents`` is all or none: when used it holds exactly one entry per input, and
-  no input may also carry ``contents``.
+  no input may also carry ``contents`` (refused first, with Triton's text: ``contents field
+  must not be specified when using raw_input_contents for 'INPUT0' for model 'simple'``).
 * Typed values must be in the field of the tensor's datatype (INT64 values in
   ``int_contents`` are refused, never widened); INT8/INT16/UINT8/UINT16 values are checked
   against their range. FP16 has no typed field: it travels in ``raw_input_contents`` only.
@@ -56,6 +57,7 @@ from gpuserve.protocol.shapes import (
     check_shape,
     element_count,
     format_shape,
+    missing_inputs_error,
     show,
     validate_request_shapes,
 )
@@ -203,7 +205,7 @@ def _decode_outputs(
                 f"are {spec_names(config.outputs)}"
             )
         if name in names:
-            raise InvalidInputError(f"output {name!r} is requested more than once")
+            raise InvalidInputError(f"output '{name}' already exists in request")
         if item.parameters:
             params = {key: parameter_value(value) for key, value in item.parameters.items()}
             binary = params.get("binary_data")
@@ -243,10 +245,15 @@ def decode_infer_request(
     """
     inputs = message.inputs
     if not inputs:
-        raise InvalidInputError(
-            f"'inputs' is empty; model {model_name!r} expects {spec_names(config.inputs)}"
-        )
+        raise missing_inputs_error([], config, model_name)
     raw = message.raw_input_contents
+    if raw:  # Triton's check and text, before any count of the entries
+        for tensor in inputs:
+            if tensor.HasField("contents") and SHM_KEYS[0] not in tensor.parameters:
+                raise InvalidInputError(
+                    f"contents field must not be specified when using raw_input_contents "
+                    f"for '{tensor.name}' for model '{model_name}'"
+                )
     # inputs whose data travel in the message (not those naming a shared-memory region)
     in_message = len(inputs) - sum(1 for t in inputs if SHM_KEYS[0] in t.parameters)
     if raw and len(raw) != in_message:
@@ -266,7 +273,7 @@ def decode_infer_request(
                 f"{spec_names(config.inputs)}"
             )
         if name in arrays:
-            raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")
+            raise InvalidInputError(f"input '{name}' already exists in request")
         datatype = tensor.datatype or None
         shape = list(tensor.shape)
         if tensor.parameters:
@@ -291,12 +298,7 @@ def decode_infer_request(
                 )
                 continue
         index += 1
-        if raw:
-            if tensor.HasField("contents") and _used_fields(tensor.contents):
-                raise InvalidInputError(
-                    f"input {name!r} has both contents and raw_input_contents; send one or "
-                    f"the other"
-                )
+        if raw:  # no input has contents (checked above)
             arrays[name] = build_input(
                 spec,
                 name,

@@ -55,7 +55,13 @@ from gpuserve.protocol.outputs import (
     output_payload,
     spec_names,
 )
-from gpuserve.protocol.shapes import described, json_type, show, validate_request_shapes
+from gpuserve.protocol.shapes import (
+    described,
+    json_type,
+    missing_inputs_error,
+    show,
+    validate_request_shapes,
+)
 from gpuserve.protocol.tensors import build_input
 
 if TYPE_CHECKING:
@@ -158,7 +164,7 @@ def _decode_outputs(
                 f"are {spec_names(config.outputs)}"
             )
         if name in names:
-            raise InvalidInputError(f"output {name!r} is requested more than once")
+            raise InvalidInputError(f"output '{name}' already exists in request")
         names.append(name)
         params = item.get("parameters")
         if params is None:
@@ -359,9 +365,7 @@ def _decode_document(
             f"'inputs' must be a JSON array of input objects, got {json_type(inputs)}"
         )
     if not inputs:
-        raise InvalidInputError(
-            f"'inputs' is empty; model {model_name!r} expects {spec_names(config.inputs)}"
-        )
+        raise missing_inputs_error([], config, model_name)
 
     arrays: dict[str, np.ndarray] = {}
     offset = 0  # into ``binary``
@@ -381,7 +385,7 @@ def _decode_document(
                 f"{spec_names(config.inputs)}"
             )
         if name in arrays:
-            raise InvalidInputError(f"input {name!r} appears more than once in 'inputs'")
+            raise InvalidInputError(f"input '{name}' already exists in request")
         params = item.get("parameters")
         size_param = None
         if params is not None:

@@ -217,6 +217,40 @@ def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) ->
     return tuple(shape)
 
 
+def _listing(names: list[str]) -> str:
+    return "[" + ",".join(f"'{name}'" for name in names) + "]"
+
+
+def missing_inputs_error(
+    given: list[str], config: ModelConfig, model_name: str | None = None
+) -> InvalidInputError:
+    """A request without all the model's required inputs, refused in Triton's words (its qa
+    tests compare them): ``expected 2 inputs but got 1 inputs for model 'm'. Got input(s)
+    ['A'], but missing required input(s) ['B']. Please provide all required input(s).``
+    (``expected number of inputs between 2 and 3`` when some are optional).
+
+    Args:
+        given: The names of the inputs the request carries, in its order.
+        config: The model's configuration (its ``inputs``; its ``name`` unless
+            ``model_name`` is given).
+        model_name: The model the request names.
+    """
+    required = [spec.name for spec in config.inputs if not spec.optional]
+    missing = [name for name in required if name not in given]
+    total = len(config.inputs)
+    expected = (
+        f"{total} inputs"
+        if len(required) == total
+        else f"number of inputs between {len(required)} and {total}"
+    )
+    return InvalidInputError(
+        f"expected {expected} but got {len(given)} inputs for model "
+        f"'{model_name or config.name or ''}'. Got "
+        f"input(s) {_listing(given)}, but missing required input(s) {_listing(missing)}. "
+        "Please provide all required input(s)."
+    )
+
+
 def validate_request_shapes(shapes: Mapping[str, Sequence[int]], config: ModelConfig) -> int | None:
     """Cross-input checks once every input is built.
 
@@ -235,10 +269,7 @@ def validate_request_shapes(shapes: Mapping[str, Sequence[int]], config: ModelCo
     if len(shapes) != len(config.inputs):
         missing = [s.name for s in config.inputs if not s.optional and s.name not in shapes]
         if missing:
-            raise InvalidInputError(
-                f"missing required input(s) {', '.join(map(repr, missing))}; the model's "
-                f"inputs are {', '.join(repr(s.name) for s in config.inputs)}"
-            )
+            raise missing_inputs_error(list(shapes), config)
     if config.max_batch_size <= 0:
         return None
     batch = None

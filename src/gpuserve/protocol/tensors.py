@@ -231,6 +231,7 @@ def array_from_raw(
     shape: tuple[int, ...],
     raw: memoryview | bytes,
     size_label: str = "binary_data_size",
+    model: str = "",
 ) -> np.ndarray:
     """Build an input array from its raw little-endian bytes (no copy for fixed-size types).
 
@@ -241,6 +242,7 @@ def array_from_raw(
         raw: Exactly this tensor's bytes.
         size_label: How messages name the byte size (``binary_data_size`` over HTTP,
             ``raw_input_contents size`` over gRPC).
+        model: The model's name, for messages.
 
     Returns:
         For fixed-size types a (possibly read-only, possibly unaligned) view of ``raw``;
@@ -253,16 +255,17 @@ def array_from_raw(
     datatype = spec.datatype
     count = element_count(shape)
     if datatype == "BYTES":
-        items = deserialize_bytes(raw, count, name, size_label)
+        items = deserialize_bytes(raw, count, name, size_label, model)
         array = np.empty(count, dtype=object)
         array[:] = items
         return _reshape(array, shape, name)
     dtype = NUMPY_DTYPES[datatype]
     need = count * dtype.itemsize
     if len(raw) != need:
-        raise InvalidInputError(
-            f"input {name!r}: {size_label} {len(raw)} does not match shape "
-            f"{format_shape(shape)} {datatype} = {need} bytes"
+        raise InvalidInputError(  # Triton's words first (its qa tests compare them)
+            f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
+            f"{need}, got {len(raw)} (input {name!r}: {size_label} {len(raw)} does not match "
+            f"shape {format_shape(shape)} {datatype} = {need} bytes)"
         )
     if datatype == "BOOL" and need and np.frombuffer(raw, dtype=np.uint8).max() > 1:
         raise InvalidInputError(
@@ -318,7 +321,7 @@ def build_input(
     if limits is not None:
         limits.check_elements(name, dims)
     if raw is not None:
-        array = array_from_raw(spec, name, dims, raw, size_label)
+        array = array_from_raw(spec, name, dims, raw, size_label, config.name or "")
     elif json_data is None:
         raise InvalidInputError(f"input {name!r}: no data (JSON 'data' or binary) was given")
     else:

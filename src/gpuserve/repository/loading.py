@@ -9,11 +9,13 @@ drains and unloads it; ``serving`` refuses a version whose instances are all bei
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
 from gpuserve.backends import backend_class, create_backend
 from gpuserve.backends.base import LoadContext
+from gpuserve.backends.completion import require_declared
 from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.batch import BatchResult
 from gpuserve.engine.calls import InProcessCaller
@@ -35,11 +37,14 @@ async def load_version(
     listeners: list[Callable[[ModelVersion], None]],
     router: StepRouter | None = None,
     admission_pool: AdmissionPool | None = None,
+    auto_complete: bool = True,
 ) -> None:
     """Complete the config, build and start every instance of ``mv``, pick its runner from
     the config and the instances' capabilities, then mark it READY; on failure stop what
     started and mark it failed with the reason (raises no Exception). ``router`` (the
-    manager) lets its models call other models (``LoadContext.infer``)."""
+    manager) lets its models call other models (``LoadContext.infer``). ``auto_complete``
+    False (``--disable-auto-complete-config``): the config must declare its inputs and
+    outputs; backends only check it against the model file."""
     loop = asyncio.get_running_loop()
     caller = InProcessCaller(router, loop, mv.model) if router is not None else None
     started = loop.time()
@@ -49,7 +54,10 @@ async def load_version(
         # The backend completes the config from this version's model file (or checks it
         # against it) before anything is built, so the runner, the protocol and the
         # config endpoints all see the completed config.
-        complete = backend_class(mv.config.backend).complete_config
+        backend = backend_class(mv.config.backend)
+        if not auto_complete:  # Triton's strict model config: nothing is filled in
+            require_declared(mv.config, mv.path)
+        complete = functools.partial(backend.complete_config, auto_complete=auto_complete)
         mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
         for index, device in enumerate(instance_devices(mv.config)):
             instances.append(

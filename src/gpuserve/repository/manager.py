@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from gpuserve.config import ServerConfig
 from gpuserve.engine.admission import AdmissionPool
-from gpuserve.errors import ConfigError, InvalidInputError
+from gpuserve.errors import ConfigError, InvalidInputError, UnavailableError
 from gpuserve.repository import rollout
 from gpuserve.repository.ensemble_loading import load_ensemble
 from gpuserve.repository.executor import Change, Executor, adopt, last_scan, stop_all, take_config
@@ -81,8 +81,12 @@ class ModelManager(Router):
         idle_unload_s: float = 0.0,
         model_load_timeout_s: float = 120.0,
         admission_pool: AdmissionPool | None = None,
+        auto_complete: bool = True,
     ) -> None:
         super().__init__({}, strict_readiness=strict_readiness)
+        #: Models and backends complete omitted config fields at load (Triton's
+        #: auto-complete; off with ``--disable-auto-complete-config``).
+        self.auto_complete = auto_complete
         #: The admission threads every loaded version's runner shares (None: steps inline).
         self.admission_pool = admission_pool
         self.ready_when_empty = load_on_demand
@@ -128,6 +132,7 @@ class ModelManager(Router):
             admission_pool=AdmissionPool(
                 config.admission_workers, config.admission_queue, config.admission_inline_bytes
             ),
+            auto_complete=not config.disable_auto_complete_config,
         )
 
     # -- start, poll, stop -----------------------------------------------------------------
@@ -459,14 +464,21 @@ class ModelManager(Router):
             await load_ensemble(mv, self.version_listeners, self)
             return
         await load_version(
-            mv, self.version_listeners, router=self, admission_pool=self.admission_pool
+            mv,
+            self.version_listeners,
+            router=self,
+            admission_pool=self.admission_pool,
+            auto_complete=self.auto_complete,
         )
 
     def _require_explicit(self, action: str) -> None:
+        """Refuse a load or unload outside ``explicit`` mode: 503 / UNAVAILABLE in Triton's
+        words (its clients and tests look for them), then why."""
         if self.control_mode != "explicit":
-            raise InvalidInputError(
-                f"model {action} requests need model_control_mode 'explicit' "
-                f"(this server runs in '{self.control_mode}' mode)"
+            raise UnavailableError(
+                "explicit model load / unload is not allowed if polling is enabled (model "
+                f"{action} requests need model_control_mode 'explicit'; this server runs in "
+                f"'{self.control_mode}' mode)"
             )
 
 

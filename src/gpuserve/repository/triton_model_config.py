@@ -4,8 +4,9 @@ and handed to Triton Python models as ``args["model_config"]``.
 
 The fields carried are those gpuserve has an equivalent for: name, platform/backend,
 max_batch_size, inputs and outputs with ``TYPE_*`` datatypes, dims and reshape, dynamic batching
-and its queue policy, instance groups, version policy, CUDA graphs, parameters and the
-``model_warmup`` samples.
+and its queue policy, instance groups, version policy, CUDA graphs, parameters (with the
+settings of the backend's own section, :func:`model_parameters`) and the ``model_warmup``
+samples.
 
 The writer lives beside its reader (:mod:`gpuserve.repository.triton_config`, config.pbtxt ->
 gpuserve's config) rather than in :mod:`gpuserve.protocol`, so the Python backend (which hands
@@ -60,6 +61,24 @@ _INT64_FIELDS = {
 
 def _parameter_text(value: Any) -> str:
     return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+#: The backend whose own section of the config is shown in Triton's ``parameters`` map.
+_BACKEND_SECTIONS = {"onnx": "onnx", "huggingface": "huggingface"}
+
+
+def model_parameters(config: ModelConfig) -> dict[str, str]:
+    """Triton's ``parameters`` of ``config`` as key -> text: the settings of the backend's own
+    section that the config sets (``model_dir``, ``max_length``, ``task`` of
+    ``huggingface``; ``intra_op_threads``, ... of ``onnx``), then ``parameters`` (which win
+    on a shared key). Values that are not text are written as JSON (``8``, ``["cpu"]``)."""
+    out: dict[str, str] = {}
+    section = _BACKEND_SECTIONS.get(config.backend)
+    if section is not None:
+        values = getattr(config, section).model_dump(mode="json", exclude_unset=True)
+        out.update((key, _parameter_text(value)) for key, value in values.items())
+    out.update((key, _parameter_text(value)) for key, value in config.parameters.items())
+    return out
 
 
 def _version_policy(config: ModelConfig) -> mc.ModelVersionPolicy:
@@ -144,8 +163,8 @@ def triton_model_config(name: str, platform: str, config: ModelConfig) -> mc.Mod
             for index, group in enumerate(config.instance_group)
         ],
         parameters={
-            key: mc.ModelParameter(string_value=_parameter_text(value))
-            for key, value in config.parameters.items()
+            key: mc.ModelParameter(string_value=text)
+            for key, text in model_parameters(config).items()
         },
         model_warmup=[_warmup(sample) for sample in config.model_warmup],
     )

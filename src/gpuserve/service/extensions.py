@@ -35,9 +35,9 @@ ALWAYS = ("classification", "trace", "logging")
 SHARED_MEMORY = ("system_shared_memory",)
 
 #: What a client is told when it calls the shared-memory API of a server without it.
-SHM_DISABLED = (
-    "client shared memory is disabled on this server; start it with --allow-client-shm "
-    "(GPUSERVE_ALLOW_CLIENT_SHM=1)"
+SHM_DISABLED = (  # Triton's words first (its tests look for them)
+    "Client shared memory is disabled. Start the server with --allow-client-shm "
+    "(GPUSERVE_ALLOW_CLIENT_SHM=1) to enable."
 )
 
 

@@ -38,14 +38,16 @@ def check_model_name(name: str) -> None:
 
 def check_version_label(name: str, version: str | None) -> None:
     """Refuse a version label that is not ASCII digits (``²`` is a digit to Python's
-    ``str.isdigit`` but not to ``int``).
+    ``str.isdigit`` but not to ``int``), with the words of Triton's answer (``failed to get
+    model version from specified version string '...'``), which its clients look for.
 
     Raises:
         ModelNotFoundError: the model has no such version.
     """
     if version is not None and not (version.isascii() and version.isdigit()):
         raise ModelNotFoundError(
-            f"model '{name}' has no version {version!r} (versions are positive integers)"
+            f"model '{name}' has no version {version!r}: failed to get model version from "
+            f"specified version string '{version}', version should be an integral value > 0"
         )
 
 

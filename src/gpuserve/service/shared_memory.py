@@ -136,24 +136,26 @@ class SharedMemoryRegistry:
         """
         if not name:
             raise InvalidInputError("shared-memory region name must not be empty")
-        if offset < 0 or byte_size < 0:
+        if offset < 0 or byte_size < 0:  # Triton's words first (its qa tests compare them)
             raise InvalidInputError(
-                f"shared-memory region {name!r}: offset {offset} and byte_size {byte_size} "
-                f"must be non-negative"
+                f"failed to register shared memory region '{name}': invalid args (offset "
+                f"{offset} and byte_size {byte_size} must be non-negative)"
             )
         path = self._path(key)
         with self._lock:
             if name in self._regions or (self.cuda is not None and self.cuda.has(name)):
                 raise InvalidInputError(
-                    f"shared-memory region {name!r} is already registered; unregister it first"
+                    f"shared memory region '{name}' already in manager (it is registered; "
+                    "unregister it first)"
                 )
             try:
                 # never through a symbolic link: a client must not make the server map a
                 # file it could not open itself
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
             except OSError as err:
-                raise InvalidInputError(
-                    f"shared-memory region {name!r}: cannot open key {key!r} ({err.strerror})"
+                raise InvalidInputError(  # Triton's words first
+                    f"Unable to open shared memory region: '{key}' (region {name!r}: cannot "
+                    f"open key {key!r}: {err.strerror})"
                 ) from None
             try:
                 info = os.fstat(fd)
@@ -164,8 +166,9 @@ class SharedMemoryRegistry:
                 size = info.st_size
                 if offset + byte_size > size:
                     raise InvalidInputError(
-                        f"shared-memory region {name!r}: offset {offset} + byte_size "
-                        f"{byte_size} exceeds the size {size} of key {key!r}"
+                        f"failed to register shared memory region '{name}': invalid args "
+                        f"(offset {offset} + byte_size {byte_size} exceeds the size {size} "
+                        f"of key {key!r})"
                     )
                 mapping = mmap.mmap(fd, size) if size else mmap.mmap(-1, 1)
             finally:

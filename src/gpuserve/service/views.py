@@ -267,6 +267,11 @@ class Views:
             _, versions = self.lookup(name, version)
         return [mv.runner.stats for mv in versions if mv.runner is not None]
 
+    def model_names(self) -> list[str]:
+        """Every model the repository holds, by name, sorted: KServe's model list (a model
+        that is not ready is listed too; its readiness is ``/v2/models/{m}/ready``)."""
+        return sorted({row.name for row in self.index()})
+
     def index(self, ready_only: bool = False) -> list[IndexRow]:
         """The repository index: every model version and its state."""
         return [index_row(row) for row in self.manager.index(ready_only)]

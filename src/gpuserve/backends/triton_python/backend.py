@@ -38,11 +38,13 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
+from gpuserve.backends.completion import check_completion, require_declared
 from gpuserve.backends.correlation import (
     NO_ID,
     correlation_ids,
@@ -54,6 +56,9 @@ from gpuserve.backends.python import PythonBackend
 from gpuserve.backends.streaming import ResponseSink, StreamCall
 from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
+from gpuserve.backends.triton_python.auto_complete import auto_complete as auto_complete_config
+from gpuserve.backends.triton_python.auto_complete import hook_of
+from gpuserve.config import ModelConfig
 from gpuserve.config.reshape import uses_reshape
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
@@ -312,6 +317,24 @@ class TritonPythonRunner(Backend):
         self.model = None
 
 
+def _model_classes(path: Path, config: ModelConfig, version: int) -> tuple[Any, Any]:
+    """``Model`` and ``TritonPythonModel`` of ``path`` (each None when it is not a class).
+
+    Raises:
+        ConfigError: no ``model.py``, or it fails to import.
+    """
+    if not path.is_file():
+        raise ConfigError(
+            f"{path}: backend 'python' needs a model.py defining class Model "
+            "(or Triton's TritonPythonModel)"
+        )
+    register_utils()
+    module = import_module_from_path(path, config.name or "model", version)
+    cls = getattr(module, "Model", None)
+    triton = getattr(module, "TritonPythonModel", None)
+    return (cls if isinstance(cls, type) else None), (triton if isinstance(triton, type) else None)
+
+
 class PythonModelBackend(Backend):
     """Backend ``python``: loads ``model.py`` once and runs its ``Model`` (gpuserve's hooks)
     or its ``TritonPythonModel`` (Triton's API)."""
@@ -319,24 +342,54 @@ class PythonModelBackend(Backend):
     def __init__(self) -> None:
         self.impl: Backend | None = None
 
+    @classmethod
+    def complete_config(
+        cls, config: ModelConfig, version_path: Path, *, auto_complete: bool = True
+    ) -> ModelConfig:
+        """The model completes its own configuration (:mod:`gpuserve.backends.completion`):
+        a ``Model``'s ``complete_config`` classmethod, or a ``TritonPythonModel``'s
+        ``auto_complete_config``; without one (or with ``auto_complete`` off) the
+        configuration must declare inputs and outputs.
+
+        Raises:
+            ConfigError: no or a failing ``model.py``, a hook that breaks the completion
+                rules, or inputs or outputs still missing.
+        """
+        path = version_path / "model.py"
+        if auto_complete and path.is_file():
+            version = int(version_path.name) if version_path.name.isdigit() else 0
+            model, triton = _model_classes(path, config, version)
+            if model is not None:
+                hook = getattr(model, "complete_config", None)
+                if hook is not None:
+                    try:
+                        done = hook(config)
+                    except Exception as err:  # user code: a load failure with its cause
+                        raise ConfigError(f"{path}: Model.complete_config failed: {err}") from err
+                    return check_completion(config, done, path, "Model.complete_config")
+            elif triton is not None and hook_of(triton) is not None:
+                return auto_complete_config(triton, config, version_path)
+        if not auto_complete:
+            require_declared(config, version_path)
+        missing = [label for label in ("inputs", "outputs") if not getattr(config, label)]
+        if missing:
+            raise ConfigError(
+                f"{path}: model '{config.name}' declares no {' and no '.join(missing)}: backend "
+                "'python' needs them in the configuration, or filled in by model.py "
+                "(Model.complete_config, or TritonPythonModel.auto_complete_config)"
+            )
+        return config
+
     def load(self, context: LoadContext) -> None:
         path = context.version_path / "model.py"
-        if not path.is_file():
-            raise ConfigError(
-                f"{path}: backend 'python' needs a model.py defining class Model "
-                "(or Triton's TritonPythonModel)"
-            )
-        register_utils()
-        module = import_module_from_path(path, context.config.name or "model", context.version)
-        cls = getattr(module, "Model", None)
-        triton = getattr(module, "TritonPythonModel", None)
-        if isinstance(cls, type):
+        cls, triton = _model_classes(path, context.config, context.version)
+        if cls is not None:
             inner = PythonBackend()
             inner.model = cls()
             inner.model.context = context
             inner.model.load(context)
             self.impl = inner
-        elif isinstance(triton, type):
+        elif triton is not None:
             runner = TritonPythonRunner(triton)
             runner.load(context)
             self.impl = runner

@@ -11,7 +11,8 @@ an empty final), from ``execute`` or from any thread of the model, and ``is_canc
 (True once the client cancelled or went away). ``send`` blocks while the client reads slowly.
 
 Business logic scripting: ``InferenceRequest(model_name=..., ...).exec()`` / ``async_exec()``
-(see :mod:`.bls`). Not provided (they raise :class:`TritonError` naming what is missing):
+(see :mod:`.bls`). ``ModelConfig``: the object ``auto_complete_config`` gets (see
+:mod:`.model_config`). Not provided (they raise :class:`TritonError` naming what is missing):
 custom metrics.
 """
 
@@ -22,6 +23,8 @@ import logging
 from typing import Any
 
 import numpy as np
+
+from gpuserve.backends.triton_python.model_config import ModelConfig as ModelConfig
 
 _logger = logging.getLogger("gpuserve.triton_python")
 

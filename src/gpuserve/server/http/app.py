@@ -6,6 +6,7 @@ extensions):
     GET  /v2/health/live                      200 while the process serves HTTP
     GET  /v2/health/ready                     200 when ready (rule: ModelManager.is_ready)
     GET  /v2                                  server metadata
+    GET  /v2/models                           KServe's model list: {"models": [names]}
     GET  /v2/models/{m}[/versions/{v}]        model metadata
     GET  /v2/models/{m}[/versions/{v}]/ready  model readiness
     POST /v2/models/{m}[/versions/{v}]/infer  inference (JSON or binary tensor extension)
@@ -25,7 +26,8 @@ extensions):
                                               gpuserve.server.http.extensions_api)
     GET  /metrics                             Prometheus metrics
     POST /v1/embeddings, GET /v1/models[/{m}] OpenAI-compatible embeddings (see
-                                              gpuserve.server.http.openai; OpenAI's errors)
+                                              gpuserve.server.http.openai; OpenAI's errors:
+                                              any other /v1 path is OpenAI's 404, any method)
 
 With an API token configured, every endpoint but the health checks, ``/metrics`` and
 ``/v2/openapi.json`` needs ``Authorization: Bearer <token>`` (401 without it; see
@@ -157,6 +159,7 @@ class HttpApp:
             Route(GET, Exact("/v2", trailing_slash=True), self._server_metadata),
             Route(GET, Exact("/v2/openapi.json", trailing_slash=True), self._openapi),
             Route(GET, Exact("/v2/models/stats", trailing_slash=True), self._statistics),
+            Route(GET, Exact("/v2/models", trailing_slash=True), self._model_list),
             Route(GET, ModelView(), self._model_metadata),
             Route(GET, ModelView("ready"), self._model_ready),
             Route(GET, ModelView("config"), self._model_config),  # ?format=gpuserve: ours
@@ -333,6 +336,10 @@ class HttpApp:
         """``/v2/models/stats`` (every model: no params) or a model's (version's)."""
         name, version, _action = params or (None, None, None)
         return 200, encode.statistics(self.service.views.statistics(name, version))
+
+    def _model_list(self, _request: HttpRequest, _method: str, _: Params) -> Answer:
+        """KServe's model list: ``{"models": ["name", ...]}``."""
+        return 200, orjson.dumps({"models": self.service.views.model_names()})
 
     def _model_metadata(self, _request: HttpRequest, _method: str, params: Params) -> Answer:
         name, version, _action = params

@@ -114,15 +114,17 @@ class OpenAIApi:
                 model = body.model
                 self._spawn(self._embed(request, body))
                 return
+            if path != MODELS and not path.startswith(MODELS + "/"):
+                # any method: an endpoint gpuserve does not serve (chat completions, ...) is
+                # OpenAI's 404 ``Invalid URL``, so its client raises NotFoundError
+                raise OpenAIHttpError(404, f"Invalid URL ({request.method} {request.path})")
             if method != "GET":
                 raise OpenAIHttpError(405, f"{method} {path}: use GET", code="method_not_allowed")
             if path == MODELS:
                 payload = encode_model_list(self.embeddings.models())
-            elif path.startswith(MODELS + "/"):
+            else:
                 model = path[len(MODELS) + 1 :]
                 payload = encode_model(self.embeddings.model(model))
-            else:
-                raise OpenAIHttpError(404, f"Invalid URL ({method} {path})")
         except Exception as err:
             self._fail(request, err, AccessRecord("", request.method, request.path, 0, model))
             return

@@ -337,6 +337,13 @@ def openapi_document() -> dict[str, Any]:
                 operation_id="allModelStatistics",
             )
         },
+        "/v2/models": {
+            "get": _op(
+                "Every model of the repository, by name (KServe's model list).",
+                {"200": _json_response("Model names.", _ref("ModelList")), **_errors("401")},
+                operation_id="modelList",
+            )
+        },
         **_model_paths(),
         **_repository_paths(),
         **openai_paths(),

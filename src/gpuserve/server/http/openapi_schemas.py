@@ -127,6 +127,11 @@ def _components() -> dict[str, Any]:
                 "reason": {"type": "string"},
             },
         },
+        "ModelList": {
+            "type": "object",
+            "required": ["models"],
+            "properties": {"models": {"type": "array", "items": {"type": "string"}}},
+        },
         "ServerMetadata": {
             "type": "object",
             "required": ["name", "version", "extensions"],
