@@ -57,8 +57,8 @@ def auto_execution(device: str, precision: str) -> str:
     """What ``execution: auto`` runs: ONNX Runtime for an fp32 model on the CPU when
     onnxruntime and onnx (torch's exporter needs it) are installed, else torch. A load that
     then fails on ONNX Runtime stays on torch, with a warning."""
-    if precision == "int8":
-        return "onnxruntime"
+    if precision == "int8" and device.startswith("cpu"):
+        return "onnxruntime"  # int8 has no torch path here: a missing onnxruntime is an error
     if not onnxruntime_runs(device, precision):
         return "torch"
     installed = all(importlib.util.find_spec(name) is not None for name in ("onnxruntime", "onnx"))
