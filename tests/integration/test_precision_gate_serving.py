@@ -85,7 +85,7 @@ def test_int8_within_the_default_bounds_serves_close_to_fp32(client):
 def test_int8_past_its_bound_fails_to_load_naming_error_and_bound(client):
     text = reason(client, "int8_tight")
     assert "precision int8 fails precision_check against fp32" in text
-    found = re.search(r"min cosine (0\.\d{4}) < min_cosine 0\.999999", text)
+    found = re.search(r"min cosine (0\.\d{6}) < min_cosine 0\.999999", text)
     assert found is not None, text
     assert 0.99 < float(found.group(1)) < 0.999999
     assert "built-in reference sentences" in text

@@ -63,9 +63,12 @@ def test_gate_names_every_broken_bound_with_measured_value():
     problem = gate_problem(report, bounds)
     assert problem is not None
     assert problem.startswith("precision int8 fails precision_check against fp32 on 30")
-    assert f"min cosine {report.cosine_min:.4f} < min_cosine 0.99" in problem
-    assert f"max abs error {report.max_abs_error:.4f} > max_abs_error 0.05" in problem
-    assert f"recall@10 {report.recall_at_k:.3f} < min_neighbour_recall 0.99" in problem
+    assert f"min cosine {report.cosine_min:.6f} < min_cosine 0.99" in problem
+    assert f"max abs error {report.max_abs_error:.6f} > max_abs_error 0.05" in problem
+    assert f"recall@10 {report.recall_at_k:.4f} < min_neighbour_recall 0.99" in problem
+    close = compare("bf16", reference + 1e-2 * unit_rows(rng, 30, 16), reference)
+    tight = gate_problem(close, PrecisionCheckConfig(min_cosine=0.9999999))
+    assert tight is not None and "< min_cosine 0.9999999" in tight  # never rounded to "1"
     loose = PrecisionCheckConfig(min_cosine=-1.0, max_abs_error=10.0, min_neighbour_recall=0.0)
     assert gate_problem(report, loose) is None
 
@@ -118,4 +121,4 @@ def test_accuracy_budget_parsing_and_verdicts():
     assert budget.problem(exact) is None
     flipped = rows.copy()
     flipped[0] = -flipped[0]
-    assert "min cosine -1.0000 < 0.99" in (budget.problem(compare("int8", flipped, rows)) or "")
+    assert "min cosine -1.000000 < 0.99" in (budget.problem(compare("int8", flipped, rows)) or "")

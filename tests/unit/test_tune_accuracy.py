@@ -74,7 +74,7 @@ def test_tight_budget_keeps_fp32(tmp_path):
     result = tuner.run()
     assert result.winner.candidate.precision == "fp32"
     assert set(result.excluded) == {"bf16", "int8"}
-    assert "min cosine 0.9999 < 0.99999" in result.excluded["bf16"]
+    assert "min cosine 0.999900 < 0.99999" in result.excluded["bf16"]
     assert all(e.candidate.precision == "fp32" for e in result.evaluations)
 
 
@@ -82,7 +82,7 @@ def test_middle_budget_excludes_int8_and_report_shows_speed_against_accuracy(tmp
     tuner, _ = make(tmp_path, AccuracyBudget(min_cosine=0.99, min_recall=0.95))
     result = tuner.run()
     assert result.winner.candidate.precision == "bf16"
-    assert "recall@10 0.900 < 0.95" in result.excluded["int8"]
+    assert "recall@10 0.9000 < 0.95" in result.excluded["int8"]
     rows = {r["precision"]: r for r in speed_accuracy(result)}
     assert rows["fp32"]["rows_per_s"] > 0 and rows["fp32"]["cosine_min"] == 1.0
     assert rows["bf16"]["rows_per_s"] > 1.5 * rows["fp32"]["rows_per_s"]

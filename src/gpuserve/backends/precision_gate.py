@@ -104,20 +104,23 @@ def compare(
 
 
 def gate_problem(report: AccuracyReport, bounds: PrecisionCheckConfig) -> str | None:
-    """Which ``precision_check`` bounds ``report`` breaks, in one sentence; None: it passes."""
+    """Which ``precision_check`` bounds ``report`` breaks, in one sentence; None: it passes.
+
+    Measured values carry 6 decimals (4 for recall) and bounds are written as given, so a
+    bound like 0.9999999 never reads as "1" beside a measured "0.9999"."""
     broken = []
     if report.cosine_min < bounds.min_cosine:
         broken.append(
-            f"min cosine {report.cosine_min:.4f} < min_cosine {bounds.min_cosine:g}"
+            f"min cosine {report.cosine_min:.6f} < min_cosine {bounds.min_cosine!r}"
         )
     if report.max_abs_error > bounds.max_abs_error:
         broken.append(
-            f"max abs error {report.max_abs_error:.4f} > max_abs_error {bounds.max_abs_error:g}"
+            f"max abs error {report.max_abs_error:.6f} > max_abs_error {bounds.max_abs_error!r}"
         )
     if report.recall_at_k < bounds.min_neighbour_recall:
         broken.append(
-            f"recall@{report.k} {report.recall_at_k:.3f} < min_neighbour_recall "
-            f"{bounds.min_neighbour_recall:g}"
+            f"recall@{report.k} {report.recall_at_k:.4f} < min_neighbour_recall "
+            f"{bounds.min_neighbour_recall!r}"
         )
     if not broken:
         return None

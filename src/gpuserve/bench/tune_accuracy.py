@@ -47,11 +47,11 @@ class AccuracyBudget:
         """Which bound ``report`` breaks (one phrase), or None when it is within budget."""
         broken = []
         if self.min_cosine is not None and report.cosine_min < self.min_cosine:
-            broken.append(f"min cosine {report.cosine_min:.4f} < {self.min_cosine:g}")
+            broken.append(f"min cosine {report.cosine_min:.6f} < {self.min_cosine!r}")
         if self.min_recall is not None and report.recall_at_k < self.min_recall:
-            broken.append(f"recall@{report.k} {report.recall_at_k:.3f} < {self.min_recall:g}")
+            broken.append(f"recall@{report.k} {report.recall_at_k:.4f} < {self.min_recall!r}")
         if self.max_abs_error is not None and report.max_abs_error > self.max_abs_error:
-            broken.append(f"max abs error {report.max_abs_error:.4f} > {self.max_abs_error:g}")
+            broken.append(f"max abs error {report.max_abs_error:.6f} > {self.max_abs_error!r}")
         return "; ".join(broken) or None
 
     def label(self) -> str:
