@@ -241,7 +241,7 @@ def render(doc: dict) -> str:
     out += ["", "## Served req/s (x fp32 of the same round)", ""]
     for mix in doc["mixes"]:
         out += [f"### {mix}", "", "| precision | " + " | ".join(f"c={c}" for c in doc["conc"])
-                + " | x fp32 at c=32 |", "|---|" + "---|" * (len(doc["conc"]) + 1)]  # fmt: skip
+                + f" | x fp32 at c={max(doc['conc'])} |", "|---|" + "---|" * (len(doc["conc"]) + 1)]  # fmt: skip
         for p in doc["precisions"]:
             cells = []
             for c in doc["conc"]:
@@ -257,7 +257,7 @@ def render(doc: dict) -> str:
             "(int8: the model's own int8 kernel, MatMulNBits). Fraction of peak = tokens/s x "
             f"{FLOP_PER_TOKEN / 1e6:.1f} MFLOP / peak.", "",
             "| precision | mix | peak GFLOP/s | in-process tokens/s (batch 32) | of peak | "
-            "served tokens/s c=32 | of peak | served / in-process |",
+            f"served tokens/s c={max(doc['conc'])} | of peak | served / in-process |",
             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in doc["efficiency"]:
         out.append(f"| {row['precision']} | {row['mix']} | {row['peak_gflops']:.0f} | "
