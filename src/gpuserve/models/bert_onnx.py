@@ -42,6 +42,7 @@ from torch import nn
 
 from gpuserve.backends.onnx_backend import import_ort, session_options
 from gpuserve.backends.onnx_export import TORCH_ONNX_EXPORT_LOCK
+from gpuserve.backends.onnx_quantize import cache_root as cache_root
 from gpuserve.backends.optional import require
 from gpuserve.config import OnnxConfig
 from gpuserve.models.bert import BertEncoder, mean_pool_normalize
@@ -119,15 +120,6 @@ def export_graph(
             do_constant_folding=True,
             dynamo=False,
         )
-
-
-def cache_root() -> Path:
-    """The cache folder (see the module docstring); not created here."""
-    explicit = os.environ.get("GPUSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "gpuserve"
 
 
 def graph_key(encoder: BertEncoder) -> str:

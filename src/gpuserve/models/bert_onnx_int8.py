@@ -27,56 +27,13 @@ per-batch ranges.
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from gpuserve.backends.onnx_quantize import INT8_SCHEMES, INT8_VERSION, quantize_file
 
-#: Values of parameter ``int8_scheme``.
-INT8_SCHEMES = ("blockwise", "dynamic")
-#: Bumped whenever a scheme's settings change (part of the cached file's name).
-INT8_VERSION = 1
-BLOCK_SIZE = 32
-
-
-def quantize_file(source: Path, target: Path, scheme: str) -> None:
-    """Write the int8 form of the fp32 graph ``source`` to ``target`` (see module docstring).
-
-    Raises:
-        ValueError: unknown ``scheme``.
-        MissingDependencyError: onnxruntime's quantisation tools (the ``onnx`` extra).
-    """
-    if scheme not in INT8_SCHEMES:
-        raise ValueError(
-            f"parameter 'int8_scheme': {scheme!r}; expected one of {', '.join(INT8_SCHEMES)}"
-        )
-    # onnxruntime.quantization logs through the root logger at import and per call
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(max(level, logging.ERROR))
-    try:
-        if scheme == "dynamic":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            quantize_dynamic(
-                str(source),
-                str(target),
-                weight_type=QuantType.QInt8,
-                per_channel=True,
-                op_types_to_quantize=["MatMul"],
-            )
-            return
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-        quantizer = MatMulNBitsQuantizer(
-            str(source), bits=8, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=4
-        )
-        quantizer.process()
-        quantizer.model.save_model_to_file(str(target))
-    finally:
-        root.setLevel(level)
+__all__ = ["INT8_SCHEMES", "int8_graph", "quantize_file"]
 
 
 def int8_graph(source: Path, scheme: str, scratch: Path) -> tuple[Path, str]:
