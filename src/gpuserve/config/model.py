@@ -348,10 +348,11 @@ class ModelConfig(_Strict):
         instance_group: Copies of the model and their devices.
         precision: Compute precision; clients keep the declared datatypes. ``int8`` is
             dynamic quantisation of linear layers on the torch backend (CPU), and
-            ONNX Runtime's int8 matrix products for the built-in text embedding model; ``bf16``
+            ONNX Runtime's int8 matrix products for the built-in text embedding model and
+            ``backend: onnx`` (CPU); ``bf16``
             on a CPU needs AVX-512 BF16 or AMX (refused otherwise).
         precision_check: The accuracy gate a precision other than fp32 passes at load (see
-            ``PrecisionCheckConfig``; the built-in text embedding model).
+            ``PrecisionCheckConfig``; the built-in text embedding model, onnx at int8).
         optimization: Graph capture / compile options.
         version_policy: Which versions are served.
         canary: Optional canary version and its traffic share (see ``CanaryConfig``).

@@ -1,9 +1,10 @@
 """``precision_check``: the accuracy gate a lower precision passes at load.
 
-A version whose ``precision`` is not ``fp32`` embeds a reference set at its precision and at
+A version whose ``precision`` is not ``fp32`` runs a reference set at its precision and at
 fp32; past any bound below, the version fails to load, with an error naming the measured
-value and the bound (see ``docs/precision.md``). Models without a gate (backends other than
-the built-in text embedding model) ignore the section.
+value and the bound (see ``docs/precision.md``). Gated: the built-in text embedding model
+(every precision, CPU and GPU) and ``backend: onnx`` at ``int8``; other models ignore the
+section.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ class PrecisionCheckConfig(Strict):
         min_neighbour_recall: Smallest accepted mean recall@k of each text's k nearest
             neighbours within the set (cosine), at the precision against fp32.
         neighbours: The k of ``min_neighbour_recall``; capped at the set's size minus one.
-        reference_file: A text file in the version folder, one reference text a line;
-            None: the model's ``model_warmup`` texts when it has some, else the built-in
-            sample of English sentences.
+        reference_file: In the version folder: for the text model a text file, one
+            reference text a line; for ``backend: onnx`` an ``.npz`` file with one array per
+            input (first axis: rows). None: the built-in sample of English sentences (text
+            model) or 64 seeded random rows (onnx models with floating-point inputs).
     """
 
     enabled: bool = Field(
@@ -55,6 +57,6 @@ class PrecisionCheckConfig(Strict):
     )
     reference_file: str | None = Field(
         default=None,
-        description="Reference texts, one a line, relative to the version folder; None: the "
-        "warm-up texts, else the built-in sample.",
+        description="Reference set relative to the version folder: texts one a line (text "
+        "model) or an .npz of input arrays (backend onnx); None: the built-in sample.",
     )
