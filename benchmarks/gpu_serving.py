@@ -11,7 +11,10 @@ Also: the built-in text_embedding encoder (all-MiniLM-L6-v2) on texts of random 
 
 For each model: (a) raw forward throughput in-process at batch sizes 1..128 (best is the limit);
 (b) served throughput with `gpuserve bench` over gRPC with binary tensors at high concurrency,
-for the variants fp32 / fp16 (or bf16), CUDA graphs off / on, 1 / 2 instances. Writes
+for the variants fp32 / fp16 (or bf16), CUDA graphs off / on, 1 / 2 instances; (c) the
+text_embedding model's accuracy at fp16 and bf16 on the device against fp32 on the held-out
+sentences (what `gpuserve models accuracy --device` reports, and what the load-time
+precision_check holds to its bounds). Writes
 results/gpu_serving-<date>.md and .json. Budget: about 6-8 minutes on one H200.
 
 Usage: python benchmarks/gpu_serving.py [--device cuda:0] [--quick]
@@ -349,12 +352,39 @@ def main() -> int:
             pad, unpad = by_kind[f"padded@{size}"], by_kind[f"unpadded@{size}"]
             lines.append(f"| {size} | {pad:.0f} | {unpad:.0f} | {unpad / pad:.2f} |")
         lines.append("")
+    lines += accuracy_section(args.device, report)
     out = HERE / "results" / f"gpu_serving-{report['date']}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def accuracy_section(device: str, report: dict) -> list[str]:
+    """(c): text_embedding at fp16 and bf16 on ``device`` against fp32 on the same device."""
+    from gpuserve.bench.accuracy import heldout_texts, measure_accuracy
+    from gpuserve.config import default_model_repository
+
+    lines = [
+        f"## text_embedding accuracy on {device} against fp32 (held-out sentences)",
+        "",
+        "| precision | cosine min | cosine mean | max abs error | recall@10 |",
+        "|---|---|---|---|---|",
+    ]
+    try:
+        reports = measure_accuracy(
+            default_model_repository() / "text_embedding", ["fp16", "bf16"], heldout_texts(), device
+        )
+    except Exception as err:  # report and go on, as the served variants do
+        return [*lines, f"| failed: {err} | | | | |", ""]
+    report["text_embedding_accuracy"] = [r.as_dict() for r in reports]
+    for r in reports:
+        lines.append(
+            f"| {r.precision} | {r.cosine_min:.4f} | {r.cosine_mean:.4f} | "
+            f"{r.max_abs_error:.4f} | {r.recall_at_k:.3f} |"
+        )
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -154,13 +154,15 @@ def test_auto_execution(monkeypatch) -> None:
 
     assert module.auto_execution("cpu", "fp32") == "onnxruntime"
     assert module.auto_execution("cuda:0", "fp32") == "torch"
-    assert module.auto_execution("cpu", "int8") == "torch"
+    assert module.auto_execution("cpu", "int8") == "onnxruntime"
+    assert module.auto_execution("cuda:0", "int8") == "torch"  # refused at load
     assert module.auto_execution("cpu", "bf16") == "torch"
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name)
     )
     assert module.auto_execution("cpu", "fp32") == "torch"
+    assert module.auto_execution("cpu", "int8") == "onnxruntime"
 
 
 def _modelled(lengths: list[int], groups: list[list[int]], call: float) -> float:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpuserve.backends import cpu_features
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.config import ModelConfig, default_model_repository, load_model_config
@@ -179,7 +180,9 @@ def test_model_refuses_mismatched_output_shape() -> None:
         make_model(config.model_copy(update={"outputs": outputs}))
 
 
-def test_model_bf16_close_to_fp32(model: Any) -> None:
+def test_model_bf16_close_to_fp32(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 on a CPU needs AVX-512 BF16 / AMX: say this one has them (torch emulates otherwise)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     config = load_model_config(MODEL_DIR / "config.yaml").model_copy(update={"precision": "bf16"})
     low = make_model(config)
     assert next(low.embedder.encoder.parameters()).dtype == torch.bfloat16
@@ -187,6 +190,13 @@ def test_model_bf16_close_to_fp32(model: Any) -> None:
     out = run_hooks(low, SENTENCES)
     assert out.dtype == np.float32
     assert (ref * out).sum(axis=1).min() >= 0.99
+
+
+def test_model_int8_parameters_are_checked_before_loading() -> None:
+    config = load_model_config(MODEL_DIR / "config.yaml").model_copy(update={"precision": "int8"})
+    with pytest.raises(ValueError, match="parameter 'int8_scheme': 'int4'; expected one of "
+                       "blockwise, dynamic"):  # fmt: skip
+        make_model(config, int8_scheme="int4")
 
 
 @pytest.mark.slow
@@ -238,14 +248,19 @@ def test_release_torch_weights_needs_onnxruntime() -> None:
     assert embedder.encode(SENTENCES[:1]).shape == (1, 384)
 
 
-def test_model_execution_errors_name_the_parameter() -> None:
+def test_model_execution_errors_name_the_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"parameter 'execution': 'tvm'; expected one of auto, "):
         make_model(execution="tvm")
     pytest.importorskip("onnxruntime")
-    config = load_model_config(MODEL_DIR / "config.yaml").model_copy(update={"precision": "int8"})
-    with pytest.raises(ValueError, match=r"onnxruntime runs precision fp32 on the CPU; this "):
-        make_model(config, execution="onnxruntime")
-    assert make_model(config).embedder.execution == "torch"  # auto: int8 stays on torch
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    base = load_model_config(MODEL_DIR / "config.yaml")
+    bf16 = base.model_copy(update={"precision": "bf16"})
+    with pytest.raises(ValueError, match=r"onnxruntime runs precision fp32 or int8 on the CPU; "):
+        make_model(bf16, execution="onnxruntime")
+    int8 = base.model_copy(update={"precision": "int8"})
+    with pytest.raises(ValueError, match=r"'execution': torch; precision int8 runs on ONNX Run"):
+        make_model(int8, execution="torch")
+    assert make_model(int8).embedder.execution == "onnxruntime"  # auto: int8 on ONNX Runtime
     with pytest.raises(ValueError, match=r"parameter 'unpadded': 'maybe'; expected true or false"):
         make_model(unpadded="maybe")
 
@@ -253,7 +268,7 @@ def test_model_execution_errors_name_the_parameter() -> None:
 def test_model_execution_auto_falls_back_to_torch_when_onnxruntime_fails(monkeypatch, caplog):
     pytest.importorskip("onnxruntime")
 
-    def broken(self: SentenceEmbedder, threads: int, cache: Any) -> None:
+    def broken(self: SentenceEmbedder, threads: int, cache: Any, int8_scheme: Any) -> None:
         raise ValueError("the ONNX Runtime graph disagrees with the torch encoder")
 
     monkeypatch.setattr(SentenceEmbedder, "use_onnxruntime", broken)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpuserve.backends import cpu_features
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.torch_backend import TorchBackend
 from gpuserve.backends.torch_exec import batch_buckets
@@ -59,7 +60,11 @@ X = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
 @pytest.mark.parametrize(
     ("precision", "tolerance"), [("fp16", 2e-2), ("bf16", 1e-1), ("int8", 1e-1)]
 )
-def test_precision_keeps_the_declared_datatype_and_stays_close(tmp_path, precision, tolerance):
+def test_precision_keeps_the_declared_datatype_and_stays_close(
+    tmp_path, monkeypatch, precision, tolerance
+):
+    # bf16 needs the instruction set on a CPU: say this one has it (torch emulates it if not)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     reference = run(load(tmp_path, precision="fp32"), X)
     got = run(load(tmp_path, precision=precision), X)
     assert got.dtype == np.float32 and got.shape == (5, 8)
@@ -88,6 +93,12 @@ def test_batch_buckets():
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(12, [6]) == [1, 2, 4, 6, 8, 12]
     assert batch_buckets(0) == [1]
+
+
+def test_bf16_refused_on_a_cpu_without_the_instruction_set(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    with pytest.raises(Exception, match="AVX-512 BF16 or AMX-BF16"):
+        load(tmp_path, precision="bf16")
 
 
 def test_int8_refused_on_a_gpu_device():

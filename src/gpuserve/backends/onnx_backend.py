@@ -18,9 +18,11 @@ postprocess stage. Models with BYTES tensors skip I/O binding (strings live on t
 Inputs are fed by declared name; outputs are fetched by declared name and cast to the
 declared datatypes at the boundary.
 
-Precision: the graph runs in the precision it was exported in, and ``precision`` must stay
-``fp32`` (an fp16 graph with FP32 inputs/outputs comes from ``gpuserve export --fp16``);
-the config's datatypes must equal the graph's (see :mod:`gpuserve.backends.signature`).
+Precision: the graph runs in the precision it was exported in, and ``precision`` is ``fp32``
+(an fp16 graph with FP32 inputs/outputs comes from ``gpuserve export --fp16``) or, on CPU
+instances, ``int8``: the graph quantised with ONNX Runtime's tools, cached, and checked
+against fp32 at load (:mod:`gpuserve.backends.onnx_precision`). The config's datatypes must
+equal the graph's (see :mod:`gpuserve.backends.signature`).
 """
 
 from __future__ import annotations
@@ -208,11 +210,11 @@ class OnnxBackend(Backend):
         cls, config: ModelConfig, version_path: Path, *, auto_complete: bool = True
     ) -> ModelConfig:
         config_path = version_path.parent / CONFIG_FILENAME
-        if config.precision != "fp32":
+        if config.precision not in ("fp32", "int8"):
             raise ConfigError(
                 f"{config_path}: field 'precision': {config.precision!r} is not applied by "
                 "backend 'onnx' (the graph runs in the precision it was exported in); use "
-                "precision: fp32, and an fp16 graph from `gpuserve export --fp16`"
+                "precision: fp32 (an fp16 graph from `gpuserve export --fp16`) or int8"
             )
         path = version_path / MODEL_FILENAME
         if not path.is_file():
@@ -231,10 +233,23 @@ class OnnxBackend(Backend):
         # The first session of a provider set loads the provider libraries and initialises
         # ONNX Runtime's environment: alone, as Triton's ONNX Runtime backend does; later
         # sessions are created in parallel.
-        with first_use("onnxruntime", _provider_names(providers)):
-            self.session = ort.InferenceSession(
-                str(path), session_options(config.onnx, ort), providers=providers
-            )
+        if config.precision == "int8":
+            if not context.device.startswith("cpu"):
+                raise ConfigError(
+                    f"model {config.name}: precision int8 on backend 'onnx' runs on CPU "
+                    f"instances; this one is on {context.device}"
+                )
+            from gpuserve.backends.onnx_precision import open_int8
+
+            with first_use("onnxruntime", ("CPUExecutionProvider",)):
+                self.session = open_int8(
+                    ort, path, session_options(config.onnx, ort), config, context.version_path
+                )
+        else:
+            with first_use("onnxruntime", _provider_names(providers)):
+                self.session = ort.InferenceSession(
+                    str(path), session_options(config.onnx, ort), providers=providers
+                )
         self.ort = ort
         self.config = config
         self.device = context.device

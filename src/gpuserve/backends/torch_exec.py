@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from gpuserve.backends.cpu_features import require_cpu_precision
 from gpuserve.config import ModelConfig
 from gpuserve.datatypes import numpy_dtype
 
@@ -51,6 +52,12 @@ def quantize_linear_int8(module: ModuleT) -> ModuleT:
     0.02, see benchmarks/precision_accuracy.py). Activations are quantised per batch, at run
     time. CPU kernels only.
 
+    Why this deprecated ``torch.ao.quantization`` path stays for the torch backend: it is the
+    one int8 route torch offers for an arbitrary ``nn.Module`` with no export step (its
+    successor, PT2E quantisation, needs a ``torch.export`` trace the module may not allow).
+    The built-in text embedding model no longer uses it: its int8 runs on ONNX Runtime
+    (:mod:`gpuserve.models.bert_onnx_int8`), accurate where this one is not.
+
     Returns:
         A quantised copy of ``module`` of the same class (``quantize_dynamic`` deep-copies the
         module and swaps its ``nn.Linear`` children, never the module itself).
@@ -64,8 +71,11 @@ def apply_precision(module: torch.nn.Module, precision: str, device: torch.devic
     """Return ``module`` in the configured precision.
 
     Raises:
-        ValueError: ``int8`` on a non-CPU device.
+        ValueError: ``int8`` on a non-CPU device; ``bf16`` on a CPU without AVX-512 BF16 or
+            AMX (:func:`~gpuserve.backends.cpu_features.require_cpu_precision`).
     """
+    if device.type == "cpu":
+        require_cpu_precision(precision)
     if precision == "int8":
         if device.type != "cpu":
             raise ValueError("precision int8 (dynamic quantisation) runs on CPU instances only")

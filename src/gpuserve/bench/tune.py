@@ -15,6 +15,9 @@ it keeps stepping in a direction while the score improves by more than ``min_gai
 repeat until nothing improves or the time budget is spent. Finally the best few are measured
 again (confirmation, the successive-halving idea: only survivors get more measurement) and
 the winner is the best mean; the current configuration stays unless something beats it.
+
+With an accuracy budget (:mod:`gpuserve.bench.tune_accuracy`) the precisions are measured
+against fp32 first, and only those within the budget enter the search.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from typing import Any
 
 import yaml
 
+from gpuserve.backends.precision_gate import AccuracyReport
 from gpuserve.bench.benchmark import BenchConfig, BenchResult, run_benchmark
 from gpuserve.bench.candidate_server import CandidateServer
 from gpuserve.bench.loadgen import LevelResult, LoadSettings
+from gpuserve.bench.tune_accuracy import AccuracyBudget, AccuracyProbe, heldout_probe
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, parse_model_config
 
 PREFERRED_MODES = ("none", "max", "half")
@@ -230,6 +235,11 @@ class TuneResult:
     stopped_by_budget: bool
     config: dict[str, Any]
     finalists: list[Evaluation] = field(default_factory=list)
+    accuracy_budget: AccuracyBudget | None = None
+    #: Each precision's accuracy against fp32 on the held-out set (with a budget).
+    accuracy: dict[str, AccuracyReport] = field(default_factory=dict)
+    #: Precisions left out of the search, and why.
+    excluded: dict[str, str] = field(default_factory=dict)
 
 
 class Tuner:
@@ -240,6 +250,9 @@ class Tuner:
         space: Values to try.
         settings: Budget and measurement settings.
         log: Called with one line per event (progress for the CLI).
+        accuracy_budget: Keep only precisions within it (None: every precision).
+        accuracy: Measures precisions against fp32 (default: in-process on the held-out
+            sentences, see :func:`~gpuserve.bench.tune_accuracy.heldout_probe`).
     """
 
     def __init__(
@@ -248,6 +261,8 @@ class Tuner:
         space: SearchSpace,
         settings: TuneSettings,
         log: Callable[[str], None] = print,
+        accuracy_budget: AccuracyBudget | None = None,
+        accuracy: AccuracyProbe | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.model = model_dir.name
@@ -267,6 +282,14 @@ class Tuner:
         self._start = 0.0
         self.stopped_by_budget = False
         self.finalists: list[Evaluation] = []
+        self.accuracy_budget = accuracy_budget
+        self._probe = accuracy or heldout_probe(model_dir)
+        self.accuracy: dict[str, AccuracyReport] = {}
+        self.excluded: dict[str, str] = {}
+        if accuracy_budget is not None:
+            bounds = {**(self.raw.get("precision_check") or {})}
+            bounds.update(accuracy_budget.precision_check())
+            self.raw["precision_check"] = bounds
 
     # -- measuring one candidate -----------------------------------------------------------
 
@@ -416,9 +439,37 @@ class Tuner:
                 break  # improving upward: no need to look downward
         return best
 
+    def screen_precisions(self) -> None:
+        """Measure each precision of the space against fp32 and drop those past the
+        accuracy budget (fp32 stays: it is the reference)."""
+        budget = self.accuracy_budget
+        if budget is None:
+            return
+        wanted = list(dict.fromkeys([*self.space.precision, self.config.precision]))
+        lower = [p for p in wanted if p != "fp32"]
+        try:
+            reports = self._probe(lower) if lower else []
+        except Exception as err:  # a precision that does not load: none of them is chosen
+            reason = f"accuracy not measured: {type(err).__name__}: {err}"[:300]
+            self.excluded = {p: reason for p in lower}
+            reports = []
+        for report in reports:
+            self.accuracy[report.precision] = report
+            problem = budget.problem(report)
+            if problem is not None:
+                self.excluded[report.precision] = f"outside the accuracy budget: {problem}"
+            self.log(f"accuracy {report.line()}" + (f" -> excluded ({problem})" if problem else ""))
+        self.space.precision = [p for p in wanted if p not in self.excluded] or ["fp32"]
+        if "fp32" not in self.space.precision:
+            self.space.precision.insert(0, "fp32")
+
     def run(self) -> TuneResult:
         self._start = time.monotonic()
-        baseline = self.evaluate(Candidate.from_config(self.config), "baseline")
+        self.screen_precisions()
+        start = Candidate.from_config(self.config)
+        if start.precision in self.excluded:
+            start = start.with_value("precision", "fp32")
+        baseline = self.evaluate(start, "baseline")
         incumbent = baseline
         for _ in range(self.settings.max_passes):
             before = incumbent
@@ -440,6 +491,9 @@ class Tuner:
             stopped_by_budget=self.stopped_by_budget,
             config=config,
             finalists=self.finalists,
+            accuracy_budget=self.accuracy_budget,
+            accuracy=dict(self.accuracy),
+            excluded=dict(self.excluded),
         )
 
     def _confirm(self, baseline: Evaluation) -> Evaluation:

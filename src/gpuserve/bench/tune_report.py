@@ -100,10 +100,20 @@ def why(result: TuneResult) -> list[str]:
             )
             + " rows/s."
         )
-    if winner.candidate.precision != baseline.candidate.precision:
+    chosen = result.accuracy.get(winner.candidate.precision)
+    if result.accuracy_budget is not None:
+        excluded = ", ".join(f"{p} ({why})" for p, why in result.excluded.items()) or "none"
+        measured = f": {chosen.line()}" if chosen is not None else " (fp32 is the reference)"
+        lines.append(
+            f"Accuracy budget {result.accuracy_budget.label()} against fp32 on held-out "
+            f"sentences: {winner.candidate.precision} is within it{measured}. "
+            f"Left out: {excluded}."
+        )
+    elif winner.candidate.precision != baseline.candidate.precision:
         lines.append(
             f"Precision {winner.candidate.precision} changes the model's numerics: check its "
-            "accuracy before serving it (the tuner measures speed only)."
+            "accuracy before serving it (`gpuserve models accuracy`, or tune with "
+            "--accuracy-budget)."
         )
     over = [e for e in result.evaluations if e.status == "over budget"]
     failed = [e for e in result.evaluations if e.status == "failed"]
@@ -152,6 +162,7 @@ def write_report(result: TuneResult, out_dir: Path, config_path: Path) -> dict[s
         "",
         "![latency against throughput](curves.png)",
         "",
+        *_accuracy_section(result),
     ]
     paths["report"].write_text("\n".join(lines))
     paths["json"].write_text(json.dumps(_as_dict(result), indent=2) + "\n")
@@ -159,6 +170,9 @@ def write_report(result: TuneResult, out_dir: Path, config_path: Path) -> dict[s
         del paths["candidates_plot"], paths["curves_plot"]
         return paths
     _plot_candidates(result, paths["candidates_plot"])
+    if result.accuracy_budget is not None:
+        paths["accuracy_plot"] = out_dir / "accuracy.png"
+        _plot_accuracy(result, paths["accuracy_plot"])
     curves = {"current": result.baseline.levels}
     if result.winner is not result.baseline:
         curves["winner"] = result.winner.levels
@@ -180,6 +194,78 @@ def write_report(result: TuneResult, out_dir: Path, config_path: Path) -> dict[s
         settings.latency_budget_ms,
     )
     return paths
+
+
+def speed_accuracy(result: TuneResult) -> list[dict[str, Any]]:
+    """Per precision: its best rows/s within the latency budget (0 when none was measured)
+    and its accuracy against fp32 (fp32: the reference, cosine 1 and recall 1)."""
+    precisions = dict.fromkeys(["fp32", *result.accuracy, *result.excluded])
+    rows = []
+    for precision in precisions:
+        scores = [
+            e.score for e in result.evaluations
+            if e.candidate.precision == precision and e.best is not None
+        ]  # fmt: skip
+        report = result.accuracy.get(precision)
+        rows.append(
+            {
+                "precision": precision,
+                "rows_per_s": max(scores, default=0.0),
+                "cosine_min": report.cosine_min if report else (1.0 if precision == "fp32" else None),
+                "cosine_mean": report.cosine_mean if report else None,
+                "max_abs_error": report.max_abs_error if report else None,
+                "recall_at_10": report.recall_at_k if report else (1.0 if precision == "fp32" else None),
+                "status": result.excluded.get(precision, "within budget"),
+            }
+        )
+    return rows
+
+
+def _accuracy_section(result: TuneResult) -> list[str]:
+    if result.accuracy_budget is None:
+        return []
+
+    def num(value: float | None, digits: int) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    return [
+        "## Speed against accuracy",
+        "",
+        f"Accuracy budget: {result.accuracy_budget.label()} (against fp32, held-out sentences, "
+        "`gpuserve models accuracy`). rows/s: the best candidate of that precision.",
+        "",
+        "| precision | rows/s | cosine min | cosine mean | max abs error | recall@10 | status |",
+        "|---|---|---|---|---|---|---|",
+        *[
+            f"| {r['precision']} | {r['rows_per_s']:.1f} | {num(r['cosine_min'], 4)} | "
+            f"{num(r['cosine_mean'], 4)} | {num(r['max_abs_error'], 4)} | "
+            f"{num(r['recall_at_10'], 3)} | {r['status']} |"
+            for r in speed_accuracy(result)
+        ],
+        "",
+        "![speed against accuracy](accuracy.png)",
+        "",
+    ]
+
+
+def _plot_accuracy(result: TuneResult, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    for row in speed_accuracy(result):
+        if row["cosine_min"] is None:
+            continue
+        inside = row["status"] == "within budget"
+        ax.scatter(row["cosine_min"], row["rows_per_s"], color="tab:green" if inside else "tab:red")
+        ax.annotate(row["precision"], (row["cosine_min"], row["rows_per_s"]), fontsize=8)
+    budget = result.accuracy_budget
+    if budget is not None and budget.min_cosine is not None:
+        ax.axvline(budget.min_cosine, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("min cosine to fp32 (held-out sentences)")
+    ax.set_ylabel("rows/s within the latency budget")
+    ax.set_title(f"{result.model}: speed against accuracy (red = outside the budget)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _plot_candidates(result: TuneResult, path: Path) -> None:
@@ -242,6 +328,8 @@ def _as_dict(result: TuneResult) -> dict[str, Any]:
         "winner": result.winner.candidate.label(),
         "why": why(result),
         "evaluations": [evaluation(e) for e in result.evaluations],
+        "accuracy_budget": result.accuracy_budget.label() if result.accuracy_budget else None,
+        "speed_accuracy": speed_accuracy(result) if result.accuracy_budget else [],
     }
 
 

@@ -10,6 +10,7 @@
     gpuserve models promote MODEL [--url URL]
     gpuserve models abort MODEL [--url URL]
     gpuserve models trace MODEL [--batches N] [--url URL]
+    gpuserve models accuracy MODEL --precision P [--model-repository DIR] [--texts FILE]
 
 Server calls go to the HTTP repository API (``--url``, default ``$GPUSERVE_URL`` or
 ``http://localhost:8000``) with ``--token`` (default ``$GPUSERVE_MANAGEMENT_TOKEN``) as the
@@ -70,6 +71,28 @@ def register(sub: Any) -> None:
     )
     init.add_argument("folder", type=Path, help="the new repository (created if missing)")
     init.set_defaults(func=_init)
+
+    accuracy = actions.add_parser(
+        "accuracy",
+        help="a text model's embeddings at a precision against fp32 on held-out sentences "
+        "(cosine min/mean, max abs error, recall@10), in-process",
+    )
+    accuracy.add_argument("model")
+    accuracy.add_argument(
+        "--precision",
+        required=True,
+        help="one or more of fp16, bf16, int8 (comma-separated), each measured against fp32",
+    )
+    accuracy.add_argument(
+        "--model-repository", type=Path, help="the repository (default: the embedded one)"
+    )
+    accuracy.add_argument(
+        "--texts", type=Path, help="held-out texts, one a line (default: the built-in sentences)"
+    )
+    accuracy.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    accuracy.add_argument("--neighbours", type=int, default=10, help="k of recall@k (default 10)")
+    accuracy.add_argument("--json", action="store_true", help="print JSON")
+    accuracy.set_defaults(func=_accuracy)
 
     helps = {
         "load": "load a model, or apply repository changes to it (explicit mode)",
@@ -311,4 +334,45 @@ def _init(args: argparse.Namespace) -> int:
             source / name, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
         )
     print(f"{target}: {', '.join(names)} (serve it: gpuserve serve --model-repository {target})")
+    return 0
+
+
+def _accuracy(args: argparse.Namespace) -> int:
+    from gpuserve.bench.accuracy import heldout_texts, measure_accuracy
+    from gpuserve.config import default_model_repository
+    from gpuserve.errors import ConfigError
+
+    repository = args.model_repository or default_model_repository()
+    model_dir = repository / args.model
+    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    known = ("fp32", "fp16", "bf16", "int8")
+    bad = [p for p in precisions if p not in known]
+    if not precisions or bad:
+        print(
+            f"gpuserve models accuracy: --precision {args.precision!r}; expected one or more "
+            f"of {', '.join(known)}",
+            file=sys.stderr,
+        )
+        return 2
+    if not (model_dir / "config.yaml").is_file():
+        print(f"gpuserve models accuracy: no model {args.model!r} in {repository}", file=sys.stderr)
+        return 1
+    try:
+        texts = heldout_texts(args.texts)
+        reports = measure_accuracy(model_dir, precisions, texts, args.device, args.neighbours)
+    except (ConfigError, ValueError) as err:  # a load refused: the message names why
+        print(f"gpuserve models accuracy: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=2))
+        return 0
+    source = args.texts or "built-in held-out sentences"
+    print(f"{args.model} against fp32 on {len(texts)} texts ({source}), {args.device}:")
+    print("| precision | cosine min | cosine mean | max abs error | recall@k |")
+    print("|---|---|---|---|---|")
+    for r in reports:
+        print(
+            f"| {r.precision} | {r.cosine_min:.4f} | {r.cosine_mean:.4f} | "
+            f"{r.max_abs_error:.4f} | {r.recall_at_k:.3f} (k={r.k}) |"
+        )
     return 0

@@ -98,6 +98,11 @@ def register(sub: Any) -> None:
         help="pin each candidate's server to these CPUs (taskset "
         "list, e.g. 1 or 2-7); keeps the generator from skewing the server",
     )
+    tune.add_argument(
+        "--accuracy-budget",
+        help="keep only precisions within this accuracy against fp32 on held-out sentences, "
+        "e.g. cosine=0.99,recall=0.95[,abs=0.05] (measured in-process before the search)",
+    )
     tune.add_argument("--client-cpus", help="pin the load generator to these CPUs (e.g. 0)")
     tune.add_argument(
         "--server-env",
@@ -138,6 +143,14 @@ def run(args: argparse.Namespace) -> int:
     if args.instance_counts:
         space.instance_count = args.instance_counts
     space.precision = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    accuracy_budget = None
+    if args.accuracy_budget:
+        from gpuserve.bench.tune_accuracy import parse_accuracy_budget
+
+        try:
+            accuracy_budget = parse_accuracy_budget(args.accuracy_budget)
+        except ValueError as err:
+            return fail(str(err))
     space.preferred = [p.strip() for p in args.preferred.split(",") if p.strip()]
     bad = [p for p in space.preferred if p not in PREFERRED_MODES]
     if bad:
@@ -177,7 +190,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         config_path, report_dir = output / "config.yaml", output
     try:
-        tuner = Tuner(model_dir, space, settings, log=lambda line: print(line, flush=True))
+        tuner = Tuner(
+            model_dir,
+            space,
+            settings,
+            log=lambda line: print(line, flush=True),
+            accuracy_budget=accuracy_budget,
+        )
     except ConfigError as err:
         return fail(str(err))
     print(

@@ -28,6 +28,7 @@ from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
 from gpuserve.config.ensemble import EnsembleConfig, graph_problem
 from gpuserve.config.keys import unknown_key_hint
 from gpuserve.config.padding import padding_problem
+from gpuserve.config.precision import PrecisionCheckConfig
 from gpuserve.config.reshape import check_reshape_dims, refused_with, reshapes
 from gpuserve.config.sequence import SequenceBatchingConfig, sequence_problem
 from gpuserve.config.warmup import WarmupSample, WarmupTarget, warmup_problem
@@ -347,7 +348,12 @@ class ModelConfig(_Strict):
         dynamic_batching: Batching and queueing policy.
         instance_group: Copies of the model and their devices.
         precision: Compute precision; clients keep the declared datatypes. ``int8`` is
-            dynamic quantisation of linear layers (torch backend and text_embedding, CPU).
+            dynamic quantisation of linear layers on the torch backend (CPU), and
+            ONNX Runtime's int8 matrix products for the built-in text embedding model and
+            ``backend: onnx`` (CPU); ``bf16``
+            on a CPU needs AVX-512 BF16 or AMX (refused otherwise).
+        precision_check: The accuracy gate a precision other than fp32 passes at load (see
+            ``PrecisionCheckConfig``; the built-in text embedding model, onnx at int8).
         optimization: Graph capture / compile options.
         version_policy: Which versions are served.
         canary: Optional canary version and its traffic share (see ``CanaryConfig``).
@@ -388,6 +394,7 @@ class ModelConfig(_Strict):
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     instance_group: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    precision_check: PrecisionCheckConfig = Field(default_factory=PrecisionCheckConfig)
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig)
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
     canary: CanaryConfig | None = None

@@ -42,6 +42,7 @@ from torch import nn
 
 from gpuserve.backends.onnx_backend import import_ort, session_options
 from gpuserve.backends.onnx_export import TORCH_ONNX_EXPORT_LOCK
+from gpuserve.backends.onnx_quantize import cache_root as cache_root
 from gpuserve.backends.optional import require
 from gpuserve.config import OnnxConfig
 from gpuserve.models.bert import BertEncoder, mean_pool_normalize
@@ -119,15 +120,6 @@ def export_graph(
             do_constant_folding=True,
             dynamo=False,
         )
-
-
-def cache_root() -> Path:
-    """The cache folder (see the module docstring); not created here."""
-    explicit = os.environ.get("GPUSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "gpuserve"
 
 
 def graph_key(encoder: BertEncoder) -> str:
@@ -300,8 +292,13 @@ def load_session(
     *,
     threads: int,
     cache: Path | None,
+    int8_scheme: str | None = None,
 ) -> OrtSession:
     """Export (or read from the cache) and open the graph; check it against torch.
+
+    With ``int8_scheme`` the session runs the graph's int8 form
+    (:mod:`gpuserve.models.bert_onnx_int8`, cached beside the fp32 graph) and is not held to
+    :data:`MAX_ABS_DIFF`: its accuracy is the precision gate's to judge.
 
     Args:
         encoder: The fp32 torch encoder on the CPU.
@@ -309,6 +306,7 @@ def load_session(
         check: ``(input_ids, attention_mask)`` of a padded batch compared with torch.
         threads: ONNX Runtime intra-op threads (the torch thread count: the same CPUs).
         cache: See :func:`graph_file`.
+        int8_scheme: None (fp32), or a value of ``bert_onnx_int8.INT8_SCHEMES``.
 
     Raises:
         MissingDependencyError: onnxruntime or onnx (the exporter needs it) is not installed.
@@ -318,7 +316,7 @@ def load_session(
     require("onnx", "execution 'onnxruntime' (torch's graph export)")
     with graph_file(encoder, sample, cache) as graph:
         try:
-            return _open_checked(ort, encoder, graph, check, threads)
+            return _open_checked(ort, encoder, graph, check, threads, int8_scheme)
         except Exception as err:
             if cache is None or not graph[1].startswith("cached "):
                 raise  # a fresh export that fails: exporting again would not help
@@ -331,7 +329,20 @@ def load_session(
     except OSError as unlink_err:
         logger.warning("cannot remove %s (%s): exporting in memory", stale, unlink_err)
     with graph_file(encoder, sample, None if stale.exists() else cache) as graph:
-        return _open_checked(ort, encoder, graph, check, threads)
+        return _open_checked(ort, encoder, graph, check, threads, int8_scheme)
+
+
+def _open(ort: Any, path: Path, source: str, threads: int) -> OrtSession:
+    # The onnx backend's settings: sequential, every graph optimisation, errors-only logs.
+    # ONNX Runtime's CPU arena stays on (its default): it holds what the largest call needed
+    # (at most GROUP_TOKENS padded tokens, or one row), so a call's activations are not
+    # mapped and faulted in again every time.
+    options = session_options(OnnxConfig(intra_op_threads=max(1, threads), inter_op_threads=1), ort)
+    return OrtSession(
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
+        threads,
+        source,
+    )
 
 
 def _open_checked(
@@ -340,18 +351,16 @@ def _open_checked(
     graph: tuple[Path, str],
     check: tuple[torch.Tensor, torch.Tensor],
     threads: int,
+    int8_scheme: str | None = None,
 ) -> OrtSession:
+    if int8_scheme is not None:
+        from gpuserve.models.bert_onnx_int8 import int8_graph
+
+        with tempfile.TemporaryDirectory(prefix="gpuserve-int8-") as scratch:
+            path, source = int8_graph(graph[0], int8_scheme, Path(scratch))
+            return _open(ort, path, source, threads)
     path, source = graph
-    # The onnx backend's settings: sequential, every graph optimisation, errors-only logs.
-    # ONNX Runtime's CPU arena stays on (its default): it holds what the largest call needed
-    # (at most GROUP_TOKENS padded tokens, or one row), so a call's activations are not
-    # mapped and faulted in again every time.
-    options = session_options(OnnxConfig(intra_op_threads=max(1, threads), inter_op_threads=1), ort)
-    session = OrtSession(
-        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]),
-        threads,
-        source,
-    )
+    session = _open(ort, path, source, threads)
     ids, mask = check
     with torch.inference_mode():
         expected = mean_pool_normalize(encoder(ids, mask), mask).numpy()

@@ -135,7 +135,9 @@ class SentenceEmbedder:
         """``"onnxruntime"`` after :meth:`use_onnxruntime`, else ``"torch"``."""
         return "onnxruntime" if self.onnxruntime is not None else "torch"
 
-    def use_onnxruntime(self, threads: int, cache: Path | None) -> OrtSession:
+    def use_onnxruntime(
+        self, threads: int, cache: Path | None, int8_scheme: str | None = None
+    ) -> OrtSession:
         """Run :meth:`embed` on ONNX Runtime (CPU) from now on (see
         :mod:`gpuserve.models.bert_onnx`). A batch of mixed lengths runs as sub-batches of
         similar lengths (:func:`~gpuserve.models.bert_onnx.length_groups`), so with
@@ -144,6 +146,8 @@ class SentenceEmbedder:
         Args:
             threads: ONNX Runtime intra-op threads.
             cache: Graph cache folder (None: export in memory).
+            int8_scheme: None for fp32, else the graph's int8 form
+                (:mod:`gpuserve.models.bert_onnx_int8`).
 
         Raises:
             ValueError: the encoder is not fp32 on the CPU, or the graph disagrees with it.
@@ -163,6 +167,7 @@ class SentenceEmbedder:
             (check.input_ids, check.attention_mask),
             threads=threads,
             cache=cache,
+            int8_scheme=int8_scheme,
         )
         return self.onnxruntime
 

@@ -13,7 +13,14 @@ hook API. Parameters (``config.yaml``):
     execution: ``auto`` (default), ``torch`` or ``onnxruntime``. ``auto`` runs an fp32
         model on the CPU on ONNX Runtime when ``onnxruntime`` and ``onnx`` are installed
         (the ``onnx`` extra; same results within 3e-7, see :mod:`gpuserve.models.bert_onnx`)
-        and on torch otherwise (GPUs, int8, fp16/bf16).
+        and on torch otherwise (GPUs, fp16/bf16). ``int8`` runs on ONNX Runtime only.
+    int8_scheme: ``blockwise`` (default) or ``dynamic``: how ``precision: int8`` quantises
+        (see :mod:`gpuserve.models.bert_onnx_int8`).
+
+Precision: ``bf16`` on a CPU runs on torch (oneDNN's AVX-512 BF16 / AMX kernels; 2.6x ONNX
+Runtime's fp32 on short sentences, in-process on one core) and is refused on cores without
+those instruction sets (:mod:`gpuserve.backends.cpu_features`). Every precision but fp32
+passes the ``precision_check`` gate at load (:mod:`gpuserve.models.embedding_precision`).
     unpadded: ``true`` (default) or ``false``: run batches of different lengths without
         padding (packed on torch, sub-batches of similar lengths on ONNX Runtime); the
         server's batcher then takes rows in arrival order and counts real tokens against
@@ -29,8 +36,10 @@ from pathlib import Path
 import torch
 
 from gpuserve.backends.base import LoadContext
-from gpuserve.backends.torch_exec import quantize_linear_int8
+from gpuserve.backends.cpu_features import require_cpu_precision
 from gpuserve.models.bert_onnx import cache_root
+from gpuserve.models.bert_onnx_int8 import INT8_SCHEMES
+from gpuserve.models.embedding_precision import check_precision
 from gpuserve.models.sentence_embedding import SentenceEmbedder
 
 logger = logging.getLogger(__name__)
@@ -40,14 +49,16 @@ EXECUTIONS = ("auto", "torch", "onnxruntime")
 
 
 def onnxruntime_runs(device: str, precision: str) -> bool:
-    """Whether ONNX Runtime can run this instance: fp32 on the CPU."""
-    return device.startswith("cpu") and precision == "fp32"
+    """Whether ONNX Runtime can run this instance: fp32 or int8 on the CPU."""
+    return device.startswith("cpu") and precision in ("fp32", "int8")
 
 
 def auto_execution(device: str, precision: str) -> str:
     """What ``execution: auto`` runs: ONNX Runtime for an fp32 model on the CPU when
     onnxruntime and onnx (torch's exporter needs it) are installed, else torch. A load that
     then fails on ONNX Runtime stays on torch, with a warning."""
+    if precision == "int8" and device.startswith("cpu"):
+        return "onnxruntime"  # int8 has no torch path here: a missing onnxruntime is an error
     if not onnxruntime_runs(device, precision):
         return "torch"
     installed = all(importlib.util.find_spec(name) is not None for name in ("onnxruntime", "onnx"))
@@ -67,12 +78,31 @@ def load_embedder(context: LoadContext, output: str = "EMBEDDING") -> SentenceEm
     if model_dir is not None:
         model_dir = context.version_path / Path(model_dir)  # absolute paths stay absolute
     max_seq_len = params.get("max_seq_len")
+    precision = context.precision
+    if context.device.startswith("cpu"):
+        require_cpu_precision(precision)
+    if precision == "int8" and not context.device.startswith("cpu"):
+        raise ValueError(
+            f"precision int8 runs on CPU instances (ONNX Runtime); this one is on "
+            f"{context.device}: use fp16 or bf16 on a GPU"
+        )
+    int8_scheme = str(params.get("int8_scheme", "blockwise")).lower()
+    if int8_scheme not in INT8_SCHEMES:
+        raise ValueError(
+            f"parameter 'int8_scheme': {int8_scheme!r}; expected one of {', '.join(INT8_SCHEMES)}"
+        )
     embedder = SentenceEmbedder.load(
         model_dir,
         device=context.device,
         dtype=context.torch_dtype,
         max_seq_len=int(max_seq_len) if max_seq_len is not None else None,
     )
+    # the gate's fp32 reference: the same weights on the same device, before any change
+    reference = None
+    if precision != "fp32" and context.config.precision_check.enabled:
+        reference = SentenceEmbedder.load(
+            model_dir, device=context.device, max_seq_len=embedder.max_seq_len
+        )
     unpadded = str(params.get("unpadded", "true")).lower()
     if unpadded not in ("true", "false"):
         raise ValueError(f"parameter 'unpadded': {unpadded!r}; expected true or false")
@@ -82,41 +112,57 @@ def load_embedder(context: LoadContext, output: str = "EMBEDDING") -> SentenceEm
             f"parameter 'execution': {execution!r}; expected one of {', '.join(EXECUTIONS)}"
         )
     embedder.unpadded = unpadded != "false"
-    _place(embedder, context, execution)
-    if context.precision == "int8":
-        # dynamic quantisation of the linear layers (CPU kernels), activations stay fp32
-        embedder.encoder = quantize_linear_int8(embedder.encoder)
+    if reference is not None:
+        reference.unpadded = embedder.unpadded
+    _place(embedder, context, execution, int8_scheme)
     declared = next((t.shape for t in context.config.outputs if t.name == output), None)
     if declared != [embedder.dimension]:
         raise ValueError(
             f"output {output} is declared with shape {declared} but the model's "
             f"embeddings have {embedder.dimension} values"
         )
+    if reference is not None:
+        check_precision(
+            embedder, reference, precision, context.config.precision_check, context.version_path
+        )
     return embedder
 
 
-def _place(embedder: SentenceEmbedder, context: LoadContext, execution: str) -> None:
+def _place(
+    embedder: SentenceEmbedder, context: LoadContext, execution: str, int8_scheme: str
+) -> None:
     """Move ``embedder`` onto ONNX Runtime when ``execution`` (or ``auto``) picks it."""
     device, precision = context.device, context.precision
     chosen = auto_execution(device, precision) if execution == "auto" else execution
     if chosen == "onnxruntime":
         if not onnxruntime_runs(device, precision):
             raise ValueError(
-                f"parameter 'execution': onnxruntime runs precision fp32 on the CPU; "
+                f"parameter 'execution': onnxruntime runs precision fp32 or int8 on the CPU; "
                 f"this instance has precision {precision} on {device} "
                 "(use execution torch or auto)"
             )
         threads = torch.get_num_threads()
+        scheme = int8_scheme if precision == "int8" else None
         try:
-            session = embedder.use_onnxruntime(threads, cache_root())
+            session = embedder.use_onnxruntime(threads, cache_root(), scheme)
         except Exception as err:
-            if execution != "auto":
+            if execution != "auto" or precision == "int8":
                 raise
             # auto: ONNX Runtime is an optimisation; torch serves the same embeddings
             logger.warning("text_embedding stays on torch: ONNX Runtime unusable (%s)", err)
         else:
             embedder.release_torch_weights()
-            logger.info("text_embedding on ONNX Runtime (%d threads, %s)", threads, session.source)
+            logger.info(
+                "text_embedding on ONNX Runtime (%s, %d threads, %s)",
+                precision if scheme is None else f"int8 {scheme}",
+                threads,
+                session.source,
+            )
+    elif precision == "int8":
+        raise ValueError(
+            "parameter 'execution': torch; precision int8 runs on ONNX Runtime "
+            "(use execution auto or onnxruntime)"
+        )
     if embedder.execution == "torch":
         hint = ""
         if execution == "auto" and chosen == "torch" and onnxruntime_runs(device, precision):

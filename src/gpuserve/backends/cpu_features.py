@@ -1,0 +1,61 @@
+"""What the CPU's instruction sets allow: the probe behind ``precision: bf16`` on a CPU.
+
+bf16 on a CPU runs at its speed only on cores with bf16 dot products (AVX-512 BF16, or AMX
+tiles on recent Xeons); elsewhere torch emulates it, slower than fp32. So a CPU instance
+with ``bf16`` on a core without them is refused at load, with the missing instruction set
+named, rather than served slower than the precision it replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+#: ``/proc/cpuinfo`` flags any one of which gives bf16 matrix products their speed.
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+#: Flags of the int8 dot products (VNNI); int8 runs without them, only slower.
+INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+
+CpuFlagProbe = Callable[[], frozenset[str]]
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The flags of the first processor in ``cpuinfo`` (Linux); empty where unreadable."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def bf16_refusal(probe: CpuFlagProbe | None = None) -> str | None:
+    """Why bf16 cannot run at speed on this CPU, or None when it can.
+
+    Args:
+        probe: Returns the CPU's flags; None: :func:`cpu_flags`, looked up at the call (so
+            tests may replace the module's ``cpu_flags``).
+    """
+    flags = (probe or cpu_flags)()
+    if any(flag in flags for flag in BF16_FLAGS):
+        return None
+    return (
+        "precision bf16 on a CPU needs the AVX-512 BF16 or AMX-BF16 instruction set "
+        f"(cpu flag {' or '.join(BF16_FLAGS[::-1])}), which this CPU lacks; "
+        "use precision fp32 (or int8)"
+    )
+
+
+def require_cpu_precision(precision: str, probe: CpuFlagProbe | None = None) -> None:
+    """Refuse a CPU precision the cores cannot run at speed.
+
+    Raises:
+        ValueError: ``bf16`` without :data:`BF16_FLAGS`, naming the instruction set.
+    """
+    if precision == "bf16":
+        reason = bf16_refusal(probe)
+        if reason is not None:
+            raise ValueError(reason)
