@@ -18,7 +18,7 @@ from pydantic import ValidationError
 SERVE_FIELDS = ["model_repository", "host", "http_port", "log_level", "shutdown_timeout_s"]
 SERVE_FIELDS += ["metrics_port", "log_format", "access_log"]  # observability (metrics, logs)
 SERVE_FIELDS += ["grpc_port"]  # gRPC front end
-SERVE_FIELDS += ["trace_dir"]  # on-demand profiler traces
+SERVE_FIELDS += ["trace_dir", "trace_config"]  # profiler traces; request traces
 SERVE_FIELDS += [  # model lifecycle
     "model_control_mode",
     "load_model",
@@ -83,6 +83,15 @@ def register(sub: Any) -> None:
         "--trace-dir",
         type=Path,
         help="where on-demand torch.profiler traces are written (default $TMPDIR/gpuserve-traces)",
+    )
+    serve.add_argument(
+        "--trace-config",
+        action="append",
+        metavar="[MODE,]SETTING=VALUE",
+        help="request tracing, Triton's syntax (repeatable): rate=N, level=TIMESTAMPS, "
+        "count=N, mode=triton|opentelemetry, triton,file=NAME, triton,log-frequency=N, "
+        "opentelemetry,url=URL, opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N "
+        "(opentelemetry needs pip install 'gpuserve[tracing]')",
     )
     serve.add_argument(
         "--metrics-port",
