@@ -148,7 +148,8 @@ def test_nv_inference_counters_follow_requests(server):
     assert after.nv("nv_inference_exec_count") == stats["execution_count"]
     assert after.nv("nv_inference_pending_request_count") == 0  # all answered
     # No Triton name ever carries prometheus_client's counter suffix.
-    assert not [name for name, _ in after.samples if name.startswith("nv_") and name.endswith("_total")]
+    suffixed = [n for n, _ in after.samples if n.startswith("nv_") and n.endswith("_total")]
+    assert suffixed == []
     # The gpuserve_* series are still there beside them, unchanged.
     assert after.types["gpuserve_requests_total"] == "counter"
     assert any(name == "gpuserve_requests_total" for name, _ in after.samples)

@@ -6,19 +6,17 @@
 ``trace_rate`` (trace one request in N), ``trace_count`` (stop after N traces; ``-1``: never),
 ``log_frequency`` (flush the file every N traces; ``0``: at each trace), ``trace_file`` (a
 file in the server's trace directory, ``--trace-dir``: a relative name goes there, any other
-place is refused) and ``trace_mode`` (``triton`` only). A model's settings override the
+place is refused) and ``trace_mode`` (``triton`` or ``opentelemetry``, chosen at start-up by
+``--trace-config mode=...`` and only read here). A model's settings override the
 server-wide ones key by key; setting a model key to no value (JSON ``null``, an empty gRPC
-list) clears it back to the server-wide value. A traced request appends one JSON line to
-``trace_file``::
+list) clears it back to the server-wide value.
 
-    {"id": 7, "model_name": "simple", "model_version": "1", "request_id": "r1",
-     "timestamps": [{"name": "QUEUE_START", "ns": ...}, {"name": "COMPUTE_START", "ns": ...},
-                    {"name": "COMPUTE_END", "ns": ...}, {"name": "REQUEST_END", "ns": ...}]}
-
-(JSON lines rather than Triton's one JSON array, so a file being written is always readable;
-``ns`` on the wall clock, derived from the engine's queue and compute times). Requests that are
-not traced cost one dictionary lookup. Per-batch profiles with ``torch.profiler`` stay on
-``POST /v2/repository/models/{m}/trace``; NVTX ranges are always on under CUDA.
+The settings choose which requests are traced (:meth:`TraceSettings.start`, at admission);
+:mod:`gpuserve.service.tracing` holds the traces and the two sinks: Triton's JSON lines in
+``trace_file``, and OpenTelemetry spans (:mod:`gpuserve.service.otel`). Requests that are
+not traced get no trace object; with tracing off the service does not even ask. Per-batch
+profiles with ``torch.profiler`` stay on ``POST /v2/repository/models/{m}/trace``; NVTX
+ranges are always on under CUDA.
 
 **Log settings** (``/v2/logging``, gRPC ``LogSettings``): ``log_info``, ``log_warning``,
 ``log_error`` (booleans) and ``log_verbose_level`` (integer) set the level of the process's
