@@ -16,8 +16,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from gpuserve.metrics.triton import TritonFamily
+
+
+def _gauge(name: str, documentation: str, value: float) -> TritonFamily:
+    family = TritonFamily(name, documentation, (), "gauge")
+    family.add_metric((), float(value))
+    return family
 
 
 def read_cpu_jiffies(stat: str) -> tuple[int, int] | None:
@@ -94,17 +102,11 @@ class CpuCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         ratio = self._utilization()
         if ratio is not None:
-            yield GaugeMetricFamily(
-                "nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=ratio
-            )
+            yield _gauge("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", ratio)
         try:
             memory = read_meminfo_bytes((self.proc / "meminfo").read_text())
         except OSError:
             memory = None
         if memory is not None:
-            yield GaugeMetricFamily(
-                "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", value=memory[0]
-            )
-            yield GaugeMetricFamily(
-                "nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", value=memory[1]
-            )
+            yield _gauge("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", memory[0])
+            yield _gauge("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", memory[1])

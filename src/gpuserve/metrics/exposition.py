@@ -2,9 +2,10 @@
 
 Formats: the Prometheus text format (0.0.4, Triton's only format) whenever the client accepts
 it, which includes every Prometheus scrape (its ``Accept`` lists ``text/plain``); OpenMetrics
-only for a client that accepts nothing else. In the text format Triton's ``nv_*`` counters
-are written as Triton writes them, with no ``_total`` (prometheus_client's encoders always
-add one, so this module writes those families itself). OpenMetrics requires ``_total`` on
+only for a client that accepts nothing else. In the text format Triton's ``nv_*`` families
+(:class:`~gpuserve.metrics.triton.TritonFamily`) are written as Triton writes them: counters
+with no ``_total`` (prometheus_client's encoders always add one), integral values as
+integers. OpenMetrics requires ``_total`` on
 every counter sample, so there the ``nv_*`` counters are typed ``unknown``: the series names
 stay Triton's in both formats.
 
@@ -30,7 +31,7 @@ from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gpuserve.metrics.triton import TritonCounterFamily
+from gpuserve.metrics.triton import TritonFamily
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +55,28 @@ def _escape_label(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
-def _triton_text(family: TritonCounterFamily) -> str:
-    """One ``nv_*`` counter family in the text format, named as Triton names it."""
+def _number(value: float) -> str:
+    """Triton's form: integers without a fraction or an exponent."""
+    if value.is_integer() and abs(value) < 2**63:
+        return str(int(value))
+    return floatToGoString(value)
+
+
+def _triton_text(family: TritonFamily) -> str:
+    """One ``nv_*`` family in the text format, as Triton writes it."""
     doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    lines = [f"# HELP {family.name} {doc}\n", f"# TYPE {family.name} counter\n"]
+    lines = [f"# HELP {family.name} {doc}\n", f"# TYPE {family.name} {family.type}\n"]
     for s in family.samples:
         labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sorted(s.labels.items()))
-        lines.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}\n")
+        braces = f"{{{labels}}}" if labels else ""
+        lines.append(f"{s.name}{braces} {_number(float(s.value))}\n")
     return "".join(lines)
 
 
-def _as_unknown(family: Metric) -> Metric:
+def _for_openmetrics(family: Metric) -> Metric:
+    """A counter without ``_total`` is not OpenMetrics: typed ``unknown`` there."""
+    if family.type != "counter":
+        return family
     out = Metric(family.name, family.documentation, "unknown")
     out.samples = list(family.samples)
     return out
@@ -79,10 +91,10 @@ def render(registry: Collector, accept: str = "") -> tuple[bytes, str]:
     """
     families = list(registry.collect())
     if _openmetrics_only(accept):
-        converted = [_as_unknown(f) if isinstance(f, TritonCounterFamily) else f for f in families]
+        converted = [_for_openmetrics(f) if isinstance(f, TritonFamily) else f for f in families]
         return openmetrics.generate_latest(_Families(converted)), openmetrics.CONTENT_TYPE_LATEST
-    triton = [f for f in families if isinstance(f, TritonCounterFamily)]
-    rest = _Families(f for f in families if not isinstance(f, TritonCounterFamily))
+    triton = [f for f in families if isinstance(f, TritonFamily)]
+    rest = _Families(f for f in families if not isinstance(f, TritonFamily))
     body = generate_latest(rest) + "".join(_triton_text(f) for f in triton).encode()
     return body, CONTENT_TYPE_PLAIN_0_0_4
 

@@ -30,7 +30,7 @@ nv_inference_compute_output_duration_us     counter  per batch: postprocess, cum
 ==========================================  =======  ===========================================
 
 Triton's counters carry no ``_total`` suffix; prometheus_client's counter families always add
-one, so the ``nv_*`` counters are :class:`TritonCounterFamily` objects that
+one, so the ``nv_*`` counters are :class:`TritonFamily` objects that
 :mod:`gpuserve.metrics.exposition` writes itself, exactly as Triton does.
 
 As in Triton, a version's ``nv_inference_*`` series start at 0 when it loads and disappear when
@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from gpuserve.engine.stats import ModelStats
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from gpuserve.metrics.gpu import NvmlCollector
 
 _MV = ("model", "version")
+_GPU = ("gpu_uuid",)
 
 #: gpuserve's failure reasons (:mod:`gpuserve.errors`) -> Triton's ``reason`` label.
 #: Triton: REJECTED = timed out (or refused) in the scheduler, CANCELED = cancelled,
@@ -70,12 +71,22 @@ _REASON = {
 }
 
 
-class TritonCounterFamily(Metric):
-    """A counter family whose samples are named as the family, with no ``_total``: Triton's
-    form. prometheus_client's encoders cannot write it; the exposition module does."""
+class TritonFamily(Metric):
+    """An ``nv_*`` family, written by the exposition module as Triton writes it: a counter's
+    samples named as the family (no ``_total``; prometheus_client's encoders always add one),
+    integral values as integers (``85899345920``, not ``8.589934592e+10``: perf_analyzer
+    reads the digits before the first non-digit).
 
-    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
-        super().__init__(name, documentation, "counter")
+    Args:
+        name / documentation: The family's name and help.
+        labels: Label names, in the order :meth:`add_metric` takes values.
+        typ: ``counter`` or ``gauge``.
+    """
+
+    def __init__(
+        self, name: str, documentation: str, labels: Sequence[str] = (), typ: str = "counter"
+    ) -> None:
+        super().__init__(name, documentation, typ)
         self.labelnames = tuple(labels)
 
     def add_metric(self, labels: Sequence[str], value: float) -> None:
@@ -176,11 +187,11 @@ class TritonModelCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         rows = _read(lambda: ((r.stats, r.queued) for r in self.runners()))
         for counter in COUNTERS:
-            family = TritonCounterFamily(counter.name, counter.help, _MV)
+            family = TritonFamily(counter.name, counter.help, _MV)
             for stats, _ in rows:
                 family.add_metric((stats.name, stats.version), float(counter.read(stats)))
             yield family
-        failure = TritonCounterFamily(
+        failure = TritonFamily(
             FAILURE,
             "Number of failed inference requests, all batch sizes",
             ("model", "reason", "version"),
@@ -189,10 +200,11 @@ class TritonModelCollector(Collector):
             for reason, count in failures_by_reason(stats).items():
                 failure.add_metric((stats.name, reason, stats.version), float(count))
         yield failure
-        pending = GaugeMetricFamily(
+        pending = TritonFamily(
             PENDING,
             "Instantaneous number of pending requests awaiting execution per-model.",
-            labels=_MV,
+            _MV,
+            "gauge",
         )
         for stats, queued in rows:
             pending.add_metric((stats.name, stats.version), float(queued))
@@ -229,26 +241,19 @@ class TritonGpuCollector(Collector):
         if not self.nvml.enabled or nvml is None:
             return
         gauges = {
-            "util": GaugeMetricFamily(
-                "nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", labels=["gpu_uuid"]
-            ),
-            "total": GaugeMetricFamily(
-                "nv_gpu_memory_total_bytes", "GPU total memory, in bytes", labels=["gpu_uuid"]
-            ),
-            "used": GaugeMetricFamily(
-                "nv_gpu_memory_used_bytes", "GPU used memory, in bytes", labels=["gpu_uuid"]
-            ),
-            "power": GaugeMetricFamily(
-                "nv_gpu_power_usage", "GPU power usage in watts", labels=["gpu_uuid"]
-            ),
-            "limit": GaugeMetricFamily(
-                "nv_gpu_power_limit", "GPU power management limit in watts", labels=["gpu_uuid"]
-            ),
+            key: TritonFamily(name, doc, _GPU, "gauge")
+            for key, name, doc in (
+                ("util", "nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)"),
+                ("total", "nv_gpu_memory_total_bytes", "GPU total memory, in bytes"),
+                ("used", "nv_gpu_memory_used_bytes", "GPU used memory, in bytes"),
+                ("power", "nv_gpu_power_usage", "GPU power usage in watts"),
+                ("limit", "nv_gpu_power_limit", "GPU power management limit in watts"),
+            )
         }
-        energy = TritonCounterFamily(
+        energy = TritonFamily(
             "nv_energy_consumption",
             "GPU energy consumption in joules since the Triton Server started",
-            ("gpu_uuid",),
+            _GPU,
         )
         with self._lock:
             for gpu in self.nvml.gpus:
