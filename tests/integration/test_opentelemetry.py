@@ -12,11 +12,14 @@ spans of their request's span; requests without a trace context are sampled 1 in
 from __future__ import annotations
 
 import gzip
+import queue
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,6 +38,8 @@ from tests.fixtures.ensemble_models import (  # noqa: E402
     write_steps,
 )
 from tests.helpers import InProcessServer  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 STAGES = ["admission", "queue", "compute", "response"]
 
@@ -130,6 +135,7 @@ def server(tmp_path_factory, receiver):
     write_model(root, "pipeline", PIPELINE, None)
     write_model(root, "bls_add", bls_config("add_one"), BLS_GPUSERVE)
     write_model(root, "pb_add", bls_config("add_one"), BLS_TRITON)
+    shutil.copytree(FIXTURES / "decoupled" / "capped", root / "capped")
     running = InProcessServer(
         root,
         trace_config=[
@@ -305,3 +311,27 @@ def test_a_failed_request_has_an_error_span(server, receiver):
     spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 1)
     (span,) = of_trace(spans, trace_id)
     assert span["name"] == "add_one" and span["status"] == 2  # STATUS_CODE_ERROR
+
+
+def test_a_decoupled_stream_over_grpc_is_one_span_ended_with_its_last_response(server, receiver):
+    import tritonclient.grpc as grpcclient
+
+    header, trace_id, client_span = traceparent()
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(
+        callback=lambda result, error: results.put(error), headers={"traceparent": header}
+    )
+    count = grpcclient.InferInput("COUNT", [1], "INT32")
+    count.set_data_from_numpy(np.array([3], dtype=np.int32))
+    client.async_stream_infer("capped", [count], request_id="stream-1")
+    for _ in range(3):
+        assert results.get(timeout=30) is None
+    client.stop_stream()
+    client.close()
+    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    mine = of_trace(spans, trace_id)
+    (root,) = [s for s in mine if s["name"] == "capped"]
+    assert root["parent"] == client_span and root["status"] != 2
+    assert root["attributes"]["request_id"] == "stream-1"
+    assert [s["name"] for s in children(mine, root)] == STAGES
