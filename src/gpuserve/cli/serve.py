@@ -283,8 +283,9 @@ def run(args: argparse.Namespace) -> int:
     """Check the settings, the repository and the ports, then serve until a signal.
 
     Returns:
-        0 after a clean shutdown; 2 for an invalid setting, a model repository that is not a
-        readable folder, or a port another process holds (one line on stderr naming it,
+        0 after a clean shutdown; 2 for an invalid setting (also a ``--trace-config`` entry,
+        or its mode's missing extra), a model repository that is not a readable folder, or a
+        port another process holds (one line on stderr naming it,
         before anything heavy is imported); the server exits 1 when it fails while starting.
     """
     from gpuserve.config import ServerConfig
@@ -313,10 +314,16 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(config.log_level, config.log_format, config.access_log)
     memory = start_memory_care(config)  # malloc settings before torch and any thread
+    from gpuserve.errors import ConfigError
     from gpuserve.server.runner import GpuServer
 
     try:
-        GpuServer(config).run()
+        try:
+            server = GpuServer(config)
+        except ConfigError as err:  # a server setting (--trace-config, its extra): one line
+            print(f"gpuserve: {err.message}", file=sys.stderr)
+            return 2
+        server.run()
     finally:
         memory.stop()
     return 0
