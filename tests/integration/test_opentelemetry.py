@@ -335,3 +335,40 @@ def test_a_decoupled_stream_over_grpc_is_one_span_ended_with_its_last_response(s
     assert root["parent"] == client_span and root["status"] != 2
     assert root["attributes"]["request_id"] == "stream-1"
     assert [s["name"] for s in children(mine, root)] == STAGES
+
+
+def test_generate_extension_continues_the_trace(server, receiver):
+    header, trace_id, client_span = traceparent()
+    answer = httpx.post(
+        f"{server.url}/v2/models/capped/generate",
+        json={"COUNT": 1, "id": "gen-1"},
+        headers={"traceparent": header},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    (root,) = [s for s in of_trace(spans, trace_id) if s["name"] == "capped"]
+    assert root["parent"] == client_span
+
+
+def test_with_tracing_off_no_request_asks_the_tracer(tmp_path, monkeypatch):
+    from gpuserve.service.runtime_settings import TraceSettings
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("TraceSettings.start called with tracing off")
+
+    write_steps(tmp_path)
+    off = InProcessServer(tmp_path)
+    try:
+        monkeypatch.setattr(TraceSettings, "start", never)
+        header, _, _ = traceparent()
+        answer = httpx.post(
+            f"{off.url}/v2/models/add_one/infer",
+            json=body("add_one", "off-1"),
+            headers={"traceparent": header},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        assert not off.server.service.tracing
+    finally:
+        off.stop()

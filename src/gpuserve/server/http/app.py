@@ -357,7 +357,7 @@ class HttpApp:
         # A request whose client disconnects while it waits is dropped when its batch forms,
         # so it never runs (BC-11). The probe reads the connection's state lazily: watching
         # each connection would cost more than the check.
-        traceparent = _traceparent(request) if self.service.tracing else None
+        traceparent = request.traceparent() if self.service.tracing else None
         admission = self.service.admit(name, version, wire, request.is_disconnected, traceparent)
         self._submit(request, admission, wire)
 
@@ -374,7 +374,7 @@ class HttpApp:
         be evicted before the request is queued)."""
         try:
             probe = request.is_disconnected
-            traceparent = _traceparent(request) if self.service.tracing else None
+            traceparent = request.traceparent() if self.service.tracing else None
             admission = await self.service.admit_loaded(name, version, wire, probe, traceparent)
             self._submit(request, admission, wire)
         except Exception as err:
@@ -463,9 +463,3 @@ def _log_access(request: HttpRequest, status: int, size: int, total_s: float) ->
     elif request.path.startswith("/v2/models/"):
         record.model = request.path.split("/")[3] or "-"
     log_access(record)
-
-
-def _traceparent(request: HttpRequest) -> str | None:
-    """The client's W3C ``traceparent`` header (read only while tracing is on)."""
-    value = request.header(b"traceparent")
-    return None if value is None else value.decode("latin-1")

@@ -163,7 +163,11 @@ class GenerateApi:
         """Answer one generate request (``endpoint``: ``generate`` or ``generate_stream``)."""
         try:
             admission = await self.service.admit_loaded(
-                name, version, _GenerateBody(request.body, self.limits), request.is_disconnected
+                name,
+                version,
+                _GenerateBody(request.body, self.limits),
+                request.is_disconnected,
+                request.traceparent() if self.service.tracing else None,
             )
             request.access = admission
             if endpoint == "generate":

@@ -83,6 +83,11 @@ class HttpRequest:
                 return value
         return None
 
+    def traceparent(self) -> str | None:
+        """The client's W3C ``traceparent`` header (read only while tracing is on)."""
+        value = self.header(b"traceparent")
+        return None if value is None else value.decode("latin-1")
+
     @property
     def client(self) -> tuple[str, int] | None:
         """The peer's (host, port), or None when unknown (e.g. a Unix socket)."""
