@@ -58,7 +58,7 @@ from gpuserve.server.http import extensions_api, generate, openai
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository_api import RepositoryApi
-from gpuserve.server.http.request import JSON, HttpRequest
+from gpuserve.server.http.request import JSON, HttpRequest, traceparent
 from gpuserve.server.http.routes import (
     ANY,
     GET,
@@ -357,8 +357,8 @@ class HttpApp:
         # A request whose client disconnects while it waits is dropped when its batch forms,
         # so it never runs (BC-11). The probe reads the connection's state lazily: watching
         # each connection would cost more than the check.
-        traceparent = request.traceparent() if self.service.tracing else None
-        admission = self.service.admit(name, version, wire, request.is_disconnected, traceparent)
+        context = traceparent(request) if self.service.tracing else None
+        admission = self.service.admit(name, version, wire, request.is_disconnected, context)
         self._submit(request, admission, wire)
 
     def _submit(self, request: HttpRequest, admission: Admission, wire: HttpInferBody) -> None:
@@ -374,8 +374,8 @@ class HttpApp:
         be evicted before the request is queued)."""
         try:
             probe = request.is_disconnected
-            traceparent = request.traceparent() if self.service.tracing else None
-            admission = await self.service.admit_loaded(name, version, wire, probe, traceparent)
+            context = traceparent(request) if self.service.tracing else None
+            admission = await self.service.admit_loaded(name, version, wire, probe, context)
             self._submit(request, admission, wire)
         except Exception as err:
             self._fail(request, err)

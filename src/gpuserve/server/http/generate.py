@@ -38,7 +38,7 @@ from gpuserve.errors import GpuserveError, InvalidInputError
 from gpuserve.protocol.binary import bytes_as_text
 from gpuserve.protocol.http_codec import HttpInferBody
 from gpuserve.protocol.limits import RequestLimits
-from gpuserve.server.http.request import HttpRequest
+from gpuserve.server.http.request import HttpRequest, traceparent
 from gpuserve.server.security import Redactor
 from gpuserve.service.inference import Admission, InferenceService
 from gpuserve.service.streaming import ResponseStream
@@ -167,7 +167,7 @@ class GenerateApi:
                 version,
                 _GenerateBody(request.body, self.limits),
                 request.is_disconnected,
-                request.traceparent() if self.service.tracing else None,
+                traceparent(request) if self.service.tracing else None,
             )
             request.access = admission
             if endpoint == "generate":

@@ -83,11 +83,6 @@ class HttpRequest:
                 return value
         return None
 
-    def traceparent(self) -> str | None:
-        """The client's W3C ``traceparent`` header (read only while tracing is on)."""
-        value = self.header(b"traceparent")
-        return None if value is None else value.decode("latin-1")
-
     @property
     def client(self) -> tuple[str, int] | None:
         """The peer's (host, port), or None when unknown (e.g. a Unix socket)."""
@@ -110,3 +105,9 @@ class HttpRequest:
             return
         self.answered = True
         self.connection.write_response(self, status, body, content_type, headers)
+
+
+def traceparent(request: HttpRequest) -> str | None:
+    """The client's W3C ``traceparent`` header (front ends read it only while tracing is on)."""
+    value = request.header(b"traceparent")
+    return None if value is None else value.decode("latin-1")
