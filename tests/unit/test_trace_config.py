@@ -77,9 +77,12 @@ def test_tracing_on_and_off_reaches_the_engine_flag(tmp_path):
     traces = TraceSettings(tmp_path, initial={"trace_level": ["TIMESTAMPS"], "trace_rate": ["1"]})
     assert traces.active and engine_tracing.state.on
     assert traces.start("m", None, None) is not None
+    other = TraceSettings(tmp_path, initial={"trace_level": ["TIMESTAMPS"]})
     traces.update({"trace_level": ["OFF"]})
-    assert not traces.active and not engine_tracing.state.on
-    assert traces.start("m", None, None) is None
+    assert not traces.active and traces.start("m", None, None) is None
+    assert engine_tracing.state.on  # the other tracer is still on
+    other.close()
+    assert not engine_tracing.state.on
     traces.close()
 
 

@@ -98,14 +98,29 @@ def queue_exit(items: Iterable[Pending]) -> None:
 
 
 class _RequestTracing:
-    """Whether request traces may exist (the service sets ``on`` when a trace setting or
-    ``--trace-config`` turns tracing on), and each instance thread's current trace."""
+    """Whether request traces may exist, and each instance thread's current trace.
 
-    __slots__ = ("local", "on")
+    ``on`` is true while at least one tracer is on (a server's trace settings, or
+    ``--trace-config``, turn tracing on); tracers say so through :meth:`switch`, so several
+    servers in one process (tests) do not turn each other's tracing off.
+    """
+
+    __slots__ = ("_lock", "_tracers", "local", "on")
 
     def __init__(self) -> None:
         self.on = False
         self.local = threading.local()
+        self._tracers: set[int] = set()
+        self._lock = threading.Lock()
+
+    def switch(self, tracer: object, on: bool) -> None:
+        """``tracer`` (any object, by identity) is on or off now."""
+        with self._lock:
+            if on:
+                self._tracers.add(id(tracer))
+            else:
+                self._tracers.discard(id(tracer))
+            self.on = bool(self._tracers)
 
 
 state = _RequestTracing()

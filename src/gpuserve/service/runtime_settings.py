@@ -223,7 +223,7 @@ class TraceSettings:
                 left=int(str(settings["trace_count"])),
                 sink=sink,
             )
-        engine_tracing.state.on = bool(self._active)
+        engine_tracing.state.switch(self, bool(self._active))
 
     def _file_path(self, given: str, where: str) -> Path:
         """Where ``trace_file`` ``given`` is written.
@@ -294,7 +294,7 @@ class TraceSettings:
                 self._otel.shutdown()
                 self._otel = None
             self._active.clear()
-            engine_tracing.state.on = False
+            engine_tracing.state.switch(self, False)
 
 
 #: Log settings value: bool, int or string.
