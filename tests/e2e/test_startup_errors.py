@@ -197,3 +197,29 @@ def test_models_init_copies_the_embedded_repository_once(tmp_path, capsys):
     assert main(["models", "validate", "--model-repository", str(target)]) == 0
     assert main(["models", "init", str(target)]) == 1  # never over an existing model
     assert "already has simple, text_embedding; nothing copied" in capsys.readouterr().err
+
+
+def test_trace_config_errors_and_the_missing_tracing_extra_exit_in_one_line(tmp_path):
+    repo = make_repository(tmp_path / "repo", "double4_fp32")
+    quiet = ("--model-repository", str(repo), "--log-level", "error", "--metrics-port", "-1")
+    result = serve(*quiet, "--grpc-port", "-1", "--trace-config", "mode=jaeger")
+    assert result.returncode == 2
+    assert "--trace-config 'mode=jaeger': expected mode=triton or mode=opentelemetry" in one_line(
+        result
+    )
+    result = gpuserve(
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "-1",
+        *quiet,
+        "--trace-config",
+        "mode=opentelemetry",
+        hide="opentelemetry",
+    )
+    assert result.returncode == 2
+    line = one_line(result)
+    assert "needs opentelemetry-sdk" in line and "pip install 'gpuserve[tracing]'" in line

@@ -26,6 +26,7 @@ class FakeNvml:
         self.init_error = init_error
         self.inits = self.shutdowns = 0
         self.utilization = [37, 100]
+        self.energy_mj = [10_000_000, 20_000_000]
 
     def nvmlInit(self) -> None:
         if self.init_error:
@@ -57,6 +58,13 @@ class FakeNvml:
         if handle == 1:
             raise NVMLError("Not Supported")
         return 312_500  # milliwatts
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: int) -> int:
+        return 700_000  # milliwatts
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
+        self.energy_mj[handle] += 1500  # each reading 1.5 J later
+        return self.energy_mj[handle]
 
     def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
         assert sensor == 0  # NVML_TEMPERATURE_GPU

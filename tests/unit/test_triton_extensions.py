@@ -222,8 +222,10 @@ def test_trace_sampling_count_and_model_overrides(tmp_path):
     traces.update({"trace_level": ["OFF"]}, model="quiet")
     response = InferenceResponse("m", "1", "r", {}, RequestTiming(0.002, 0.003, 0.006))
     for _ in range(6):
-        traces.record("m", response)
-        traces.record("quiet", response)
+        for model in ("m", "quiet"):
+            trace = traces.start(model, "1", "r")
+            if trace is not None:
+                trace.end(response)
     traces.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 2 and {line["model_name"] for line in lines} == {"m"}  # 1 in 2, 2 max

@@ -34,6 +34,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "onnxscript": ("onnxscript", "onnx"),
     "transformers": ("transformers", "huggingface"),
     "matplotlib": ("matplotlib", "bench"),
+    "opentelemetry": ("opentelemetry-sdk", "tracing"),
 }
 
 # One re-entrant lock for every first import: importing one optional package may import

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 SERVE_FIELDS = ["model_repository", "host", "http_port", "log_level", "shutdown_timeout_s"]
 SERVE_FIELDS += ["metrics_port", "log_format", "access_log"]  # observability (metrics, logs)
 SERVE_FIELDS += ["grpc_port"]  # gRPC front end
-SERVE_FIELDS += ["trace_dir"]  # on-demand profiler traces
+SERVE_FIELDS += ["trace_dir", "trace_config"]  # profiler traces; request traces
 SERVE_FIELDS += [  # model lifecycle
     "model_control_mode",
     "load_model",
@@ -95,6 +95,15 @@ def register(sub: Any) -> None:
         "--trace-dir",
         type=Path,
         help="where on-demand torch.profiler traces are written (default $TMPDIR/gpuserve-traces)",
+    )
+    serve.add_argument(
+        "--trace-config",
+        action="append",
+        metavar="[MODE,]SETTING=VALUE",
+        help="request tracing, Triton's syntax (repeatable): rate=N, level=TIMESTAMPS, "
+        "count=N, mode=triton|opentelemetry, triton,file=NAME, triton,log-frequency=N, "
+        "opentelemetry,url=URL, opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_*=N "
+        "(opentelemetry needs pip install 'gpuserve[tracing]')",
     )
     serve.add_argument(
         "--metrics-port",
@@ -308,8 +317,9 @@ def run(args: argparse.Namespace) -> int:
     """Check the settings, the repository and the ports, then serve until a signal.
 
     Returns:
-        0 after a clean shutdown; 2 for an invalid setting, a model repository that is not a
-        readable folder, or a port another process holds (one line on stderr naming it,
+        0 after a clean shutdown; 2 for an invalid setting (also a ``--trace-config`` entry,
+        or its mode's missing extra), a model repository that is not a readable folder, or a
+        port another process holds (one line on stderr naming it,
         before anything heavy is imported); the server exits 1 when it fails while starting.
     """
     from gpuserve.config import ServerConfig
@@ -341,10 +351,16 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(config.log_level, config.log_format, config.access_log)
     memory = start_memory_care(config)  # malloc settings before torch and any thread
+    from gpuserve.errors import ConfigError
     from gpuserve.server.runner import GpuServer
 
     try:
-        GpuServer(config).run()
+        try:
+            server = GpuServer(config)
+        except ConfigError as err:  # a server setting (--trace-config, its extra): one line
+            print(f"gpuserve: {err.message}", file=sys.stderr)
+            return 2
+        server.run()
     finally:
         memory.stop()
     return 0

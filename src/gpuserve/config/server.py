@@ -50,7 +50,12 @@ class ServerConfig(BaseSettings):
         management_token: When set, those endpoints need ``Authorization: Bearer <token>``
             (401 without it); setting it also enables them.
         trace_dir: Where ``POST /v2/repository/models/{m}/trace`` writes ``torch.profiler``
-            traces (one sub-folder per call).
+            traces (one sub-folder per call), and the only folder trace files may be in.
+        trace_config: Triton's ``--trace-config`` entries: ``<setting>=<value>`` (``rate``,
+            ``level``, ``count``, ``mode``), ``triton,<setting>=<value>`` (``file``,
+            ``log-frequency``), ``opentelemetry,<setting>=<value>`` (``url``, ``resource``,
+            ``bsp_max_queue_size``, ``bsp_schedule_delay``, ``bsp_max_export_batch_size``).
+            From the environment: entries separated by ``;``.
         enable_management: Enable those endpoints in ``none`` mode. They are off unless
             enabled: by this, by a management token, or by ``explicit``/``poll`` mode
             (see :attr:`management_enabled`); ``disable_management`` always wins.
@@ -139,6 +144,7 @@ class ServerConfig(BaseSettings):
     disable_management: bool = False
     management_token: SecretStr | None = None
     trace_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "gpuserve-traces")
+    trace_config: Annotated[list[str], NoDecode] = Field(default_factory=list)
     enable_management: bool = False
     api_token: SecretStr | None = None
     tls_cert_file: Path | None = None
@@ -186,6 +192,14 @@ class ServerConfig(BaseSettings):
             or self.management_token is not None
             or self.model_control_mode != "none"
         )
+
+    @field_validator("trace_config", mode="before")
+    @classmethod
+    def _split_trace_config(cls, value: Any) -> Any:
+        # GPUSERVE_TRACE_CONFIG="mode=opentelemetry;rate=1" as well as a list (flags, code).
+        if isinstance(value, str):
+            return [entry.strip() for entry in value.split(";") if entry.strip()]
+        return value
 
     @field_validator("load_model", mode="before")
     @classmethod

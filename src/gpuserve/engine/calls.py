@@ -32,7 +32,8 @@ import numpy as np
 
 from gpuserve.config import ModelConfig
 from gpuserve.datatypes import numpy_dtype
-from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.engine import tracing
+from gpuserve.engine.request import InferenceRequest, InferenceResponse, end_trace_with
 from gpuserve.engine.runners.ensemble import StepRouter
 from gpuserve.errors import InvalidInputError, RequestTimeoutError
 
@@ -139,7 +140,13 @@ class InProcessCaller:
             id=request_id,
             parameters=dict(parameters or {}),
         )
-        return asyncio.run_coroutine_threadsafe(self._run(request), self.loop)
+        parent = tracing.current_request_trace()  # a traced request's batch is running here
+        if parent is not None:
+            request.trace = parent.child(model, version, "bls")
+        future = asyncio.run_coroutine_threadsafe(self._run(request), self.loop)
+        if request.trace is not None:
+            end_trace_with(request.trace, future)
+        return future
 
     async def _run(self, request: InferenceRequest) -> InferenceResponse:
         name = request.model_name

@@ -301,10 +301,15 @@ class Instance:
             return
         t0 = time.monotonic()
         self._trace.begin("forward", job)
+        traced = tracing.state.on  # a BLS call from forward nests under a traced request
+        if traced:
+            tracing.enter_batch(job.batch.items)
         try:
             job.raw = self.backend.forward(job.prepared)
         except BaseException as err:
             self._fail(job, err)
+        if traced:
+            tracing.leave_batch()
         self._trace.end()
         job.prepared = None
         job.forward_s = time.monotonic() - t0

@@ -110,6 +110,7 @@ class Outcomes:
         """
         name, version, started_s = self.name, self.version, result.started_s
         compute_s = result.finished_s - started_s
+        batch_rows = result.batch.rows
         record_request = self.stats.record_request
         for item, outcome in zip(result.batch.items, result.results, strict=True):
             queue_s = started_s - item.arrival_s
@@ -118,7 +119,7 @@ class Outcomes:
                 item.outcome = outcome
                 reason: str | None = outcome.reason
             else:
-                timing = RequestTiming(queue_s, compute_s, total_s)
+                timing = RequestTiming(queue_s, compute_s, total_s, batch_rows)
                 item.outcome = InferenceResponse(
                     name, version, item.request.id, outcome, timing, item.rows
                 )

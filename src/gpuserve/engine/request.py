@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,6 +39,37 @@ class RequestCost:
         return max(self.lengths, default=0)
 
 
+class RequestTrace(Protocol):
+    """The trace of one sampled request (set by the service only when tracing samples it;
+    None otherwise, so an untraced request costs nothing here).
+
+    The engine calls :meth:`child` for a request it sends on behalf of this one (an
+    ensemble step, a BLS call) and gives the child's outcome to :meth:`end`.
+    """
+
+    def child(self, model: str, version: str | None, kind: str) -> RequestTrace:
+        """A trace for a nested request to ``model`` (``kind``: ``ensemble_step``,
+        ``bls``), started now, under this one."""
+        ...
+
+    def end(self, outcome: InferenceResponse | BaseException | None) -> None:
+        """The request is answered (a response) or failed (an error; None: cancelled)."""
+        ...
+
+
+def end_trace_with(trace: RequestTrace, future: Any) -> None:
+    """End ``trace`` when the asyncio or concurrent ``future`` of its request resolves."""
+
+    def done(finished: Any) -> None:
+        if finished.cancelled():
+            trace.end(None)
+        else:
+            error = finished.exception()
+            trace.end(error if error is not None else finished.result())
+
+    future.add_done_callback(done)
+
+
 @dataclass(slots=True, eq=False)
 class InferenceRequest:
     """One validated inference request.
@@ -59,6 +90,7 @@ class InferenceRequest:
             whose probe says so is dropped instead of run.
         cost: Lengths per row from the model's admission step, or None when the model
             declares none (every row then counts as one unit).
+        trace: The request's trace when tracing sampled it, else None.
     """
 
     model_name: str
@@ -71,6 +103,7 @@ class InferenceRequest:
     timeout_us: int | None = None
     is_cancelled: Callable[[], bool] | None = None
     cost: RequestCost | None = None
+    trace: RequestTrace | None = None
 
 
 @dataclass(slots=True)
@@ -81,11 +114,13 @@ class RequestTiming:
         queue_s: From admission to the start of its batch.
         compute_s: The batch's preprocess + forward + postprocess.
         total_s: From admission to the response being ready.
+        batch_size: Rows of the batch the request ran in (0: not batched by the engine).
     """
 
     queue_s: float = 0.0
     compute_s: float = 0.0
     total_s: float = 0.0
+    batch_size: int = 0
 
 
 @dataclass(slots=True)

@@ -1,4 +1,13 @@
-"""NVTX ranges for Nsight Systems: queue wait, preprocess, forward and postprocess.
+"""The engine's side of tracing: NVTX ranges for Nsight Systems, and the request trace a
+model's BLS calls are nested under.
+
+**Request traces** (OpenTelemetry spans or Triton's JSON lines, made by the service): while
+:data:`state` says request tracing is on, an instance that runs a batch holding a traced
+request makes that request's trace the thread's current one (:func:`current_request_trace`)
+for the duration of ``forward``, so a BLS call the model makes from there becomes its child.
+With tracing off this is one attribute read per batch.
+
+**NVTX**: queue wait, preprocess, forward and postprocess.
 
 Under ``nsys profile gpuserve serve ...`` the timeline then shows, per batch, a range for
 each stage on the thread that ran it (``text_embedding:1 forward 32 rows``), and per request
@@ -14,10 +23,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
 from gpuserve.engine.batch import BatchResult, Pending
+from gpuserve.engine.request import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +95,53 @@ def queue_exit(items: Iterable[Pending]) -> None:
         range_id = _queue_ranges.pop(id(item), None)
         if range_id is not None:
             _nvtx.range_end(range_id)
+
+
+class _RequestTracing:
+    """Whether request traces may exist, and each instance thread's current trace.
+
+    ``on`` is true while at least one tracer is on (a server's trace settings, or
+    ``--trace-config``, turn tracing on); tracers say so through :meth:`switch`, so several
+    servers in one process (tests) do not turn each other's tracing off.
+    """
+
+    __slots__ = ("_lock", "_tracers", "local", "on")
+
+    def __init__(self) -> None:
+        self.on = False
+        self.local = threading.local()
+        self._tracers: set[int] = set()
+        self._lock = threading.Lock()
+
+    def switch(self, tracer: object, on: bool) -> None:
+        """``tracer`` (any object, by identity) is on or off now."""
+        with self._lock:
+            if on:
+                self._tracers.add(id(tracer))
+            else:
+                self._tracers.discard(id(tracer))
+            self.on = bool(self._tracers)
+
+
+state = _RequestTracing()
+
+
+def enter_batch(items: Iterable[Pending]) -> None:
+    """Make the first traced request of a batch the thread's current trace (call only
+    while ``state.on``)."""
+    state.local.trace = next(
+        (item.request.trace for item in items if item.request.trace is not None), None
+    )
+
+
+def leave_batch() -> None:
+    """The batch's ``forward`` is over: no current trace on this thread."""
+    state.local.trace = None
+
+
+def current_request_trace() -> RequestTrace | None:
+    """The trace a call made on this thread now belongs under, or None."""
+    if not state.on:
+        return None
+    trace: RequestTrace | None = getattr(state.local, "trace", None)
+    return trace

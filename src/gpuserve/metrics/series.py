@@ -27,8 +27,8 @@ gpuserve_inflight_requests                  gauge      requests admitted, not ye
 
 Loads on demand, evictions and what is resident: see :mod:`gpuserve.metrics.residency`.
 
-Triton's names (``nv_inference_*``, ``nv_gpu_*``) are exposed beside these, derived at scrape
-time by :mod:`gpuserve.metrics.triton`.
+Triton's names (``nv_inference_*``, ``nv_gpu_*``, ``nv_cpu_*``) are exposed beside these,
+derived at scrape time by :mod:`gpuserve.metrics.triton` and :mod:`gpuserve.metrics.cpu`.
 
 Failure reasons are the ``reason`` of :mod:`gpuserve.errors` (``invalid``, ``not_found``,
 ``not_ready``, ``rejected``, ``timeout``, ``cancelled``, ``backend_error``,
@@ -58,6 +58,7 @@ from prometheus_client import (
 import gpuserve
 from gpuserve.engine.stats import BatchStats, RequestStats
 from gpuserve.metrics.collectors import SchedulerCollector
+from gpuserve.metrics.cpu import CpuCollector
 from gpuserve.metrics.gpu import NvmlCollector
 from gpuserve.metrics.loop_series import CounterChild, LoopCounter, LoopHistogram
 from gpuserve.metrics.residency import ResidencySeries, ResidentCollector
@@ -264,7 +265,7 @@ class ServerMetrics:
         if manager is not None:
             r.register(SchedulerCollector(lambda: _schedulers(manager)))
             r.register(ResidentCollector(manager))
-            r.register(TritonModelCollector(lambda: (s.stats for s in _schedulers(manager))))
+            r.register(TritonModelCollector(lambda: _schedulers(manager)))
         self.gpu: NvmlCollector | None = None
         if gpu:
             self.gpu = NvmlCollector(nvml)
@@ -272,6 +273,7 @@ class ServerMetrics:
             r.register(TritonGpuCollector(self.gpu))
         if process:
             ProcessCollector(registry=r)
+            r.register(CpuCollector())
 
     # -- subscription ----------------------------------------------------------------------
 

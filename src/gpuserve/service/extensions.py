@@ -21,12 +21,13 @@ from dataclasses import replace
 
 from gpuserve.config import ModelConfig, ServerConfig
 from gpuserve.engine.request import InferenceResponse
-from gpuserve.errors import InvalidInputError, PermissionDeniedError
+from gpuserve.errors import ConfigError, InvalidInputError, PermissionDeniedError
 from gpuserve.repository.manager import ModelManager
 from gpuserve.service.classification import LabelFiles, classify
 from gpuserve.service.constants import EXTENSIONS
 from gpuserve.service.runtime_settings import LogSettings, TraceSettings
 from gpuserve.service.shared_memory import CudaSharedMemoryRegistry, SharedMemoryRegistry
+from gpuserve.service.trace_config import parse_trace_config
 from gpuserve.service.views import ServerMetadata, Views
 
 #: Extensions every server has beyond :data:`~gpuserve.service.constants.EXTENSIONS`.
@@ -81,7 +82,7 @@ class Extensions:
         self.cuda_shared_memory = CudaSharedMemoryRegistry() if allowed else None
         self.shared_memory = SharedMemoryRegistry(cuda=self.cuda_shared_memory) if allowed else None
         self.labels = LabelFiles()
-        self.traces = TraceSettings(config.trace_dir)
+        self.traces = _trace_settings(config)
         self.logs = LogSettings()
 
     def check_model(self, name: str) -> None:
@@ -142,17 +143,24 @@ class Extensions:
 
         return classify(response, counts, config, labels_of)
 
-    def trace_when_done(self, model: str, future: asyncio.Future[InferenceResponse]) -> None:
-        """Trace the response ``future`` resolves with, if the settings sample it."""
-
-        def done(finished: asyncio.Future[InferenceResponse]) -> None:
-            if not finished.cancelled() and finished.exception() is None:
-                self.traces.record(model, finished.result())
-
-        future.add_done_callback(done)
-
     def close(self) -> None:
         """Unregister every region and close the trace files (server shutdown)."""
         if self.shared_memory is not None:
             self.shared_memory.close()
         self.traces.close()
+
+
+def _trace_settings(config: ServerConfig) -> TraceSettings:
+    """The tracer ``--trace-config`` asks for.
+
+    Raises:
+        ConfigError: a bad entry (the message quotes it); MissingDependencyError for
+            ``mode=opentelemetry`` without the ``tracing`` extra.
+    """
+    start = parse_trace_config(config.trace_config)
+    try:
+        return TraceSettings(
+            config.trace_dir, mode=start.mode, otel=start.otel, initial=start.settings
+        )
+    except InvalidInputError as err:
+        raise ConfigError(f"--trace-config: {err.message}") from None

@@ -47,8 +47,9 @@ from typing import Protocol
 
 from gpuserve.config import ModelConfig, ServerConfig
 from gpuserve.engine.admission import AdmissionPool
-from gpuserve.engine.request import InferenceRequest, InferenceResponse
+from gpuserve.engine.request import InferenceRequest, InferenceResponse, end_trace_with
 from gpuserve.engine.runners.base import ResponseStream, VersionRunner
+from gpuserve.service.tracing import TracedStream
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import GpuserveError, UnavailableError
 from gpuserve.metrics import ServerMetrics
@@ -186,6 +187,7 @@ class InferenceService:
         version: str | None,
         wire: WireRequest,
         is_cancelled: Callable[[], bool] | None = None,
+        traceparent: str | None = None,
     ) -> Admission:
         """:meth:`admit`, after loading ``model`` on demand when it is cold (awaits only
         then; admission follows the load with no await in between, so the model cannot be
@@ -196,7 +198,7 @@ class InferenceService:
         """
         if self.manager.on_demand.cold(model):
             await self.ensure_loaded(model)
-        return self.admit(model, version, wire, is_cancelled)
+        return self.admit(model, version, wire, is_cancelled, traceparent)
 
     def admit(
         self,
@@ -204,6 +206,7 @@ class InferenceService:
         version: str | None,
         wire: WireRequest,
         is_cancelled: Callable[[], bool] | None = None,
+        traceparent: str | None = None,
     ) -> Admission:
         """Resolve, route, decode and check one request (steps 1-5 of the module docstring).
 
@@ -212,16 +215,23 @@ class InferenceService:
             version: The version label it sent, or None for the default version.
             wire: The undecoded request.
             is_cancelled: Probe, True once the client has gone away.
+            traceparent: The client's W3C trace context, if it sent one (read by the front
+                end only while tracing is on: see :attr:`tracing`).
 
         Raises:
             GpuserveError: why the request is refused (already counted).
         """
+        traces = self.extensions.traces
+        # Started before decoding, so the admission span covers it; None unless sampled.
+        trace = traces.start(model, version, None, traceparent) if traces.active else None
         try:
             if version is not None:
                 check_version_label(model, version)
             mv = self.manager.version(model, version)
         except GpuserveError as err:
             self.record_unrouted(model, version, err.reason)
+            if trace is not None:
+                trace.end(err)
             raise
         runner = mv.runner
         assert runner is not None
@@ -237,8 +247,13 @@ class InferenceService:
             runner.stats.record_request(
                 RequestStats(model, runner.version, 0, 0.0, 0.0, 0.0, err.reason)
             )
+            if trace is not None:
+                trace.end(err)
             raise
         request.is_cancelled = is_cancelled
+        if trace is not None:
+            request.trace = trace
+            trace.request_id = request.id or ""
         return Admission(model, runner.version, mv.config, request, runner)
 
     def submit(self, admission: Admission) -> asyncio.Future[InferenceResponse]:
@@ -250,9 +265,15 @@ class InferenceService:
             GpuserveError: refused at once (queue full, unknown priority, unloading, the
                 model's admission step, the admission pool full: 429). Counted.
         """
-        future = admission.runner.submit(admission.request)
-        if self.extensions.traces.active:  # Triton's trace settings: sampled requests
-            self.extensions.trace_when_done(admission.model, future)
+        trace = admission.request.trace
+        if trace is None:
+            return admission.runner.submit(admission.request)
+        try:
+            future = admission.runner.submit(admission.request)
+        except BaseException as err:
+            trace.end(err)
+            raise
+        end_trace_with(trace, future)
         return future
 
     async def run(self, admission: Admission) -> InferenceResponse:
@@ -262,10 +283,25 @@ class InferenceService:
         Raises:
             GpuserveError: as :meth:`submit`, and what its future fails with.
         """
-        response = await admission.runner.infer(admission.request)
-        if self.extensions.traces.active:  # Triton's trace settings: sampled requests
-            self.extensions.traces.record(admission.model, response)
+        trace = admission.request.trace
+        if trace is None:
+            return await admission.runner.infer(admission.request)
+        try:
+            response = await admission.runner.infer(admission.request)
+        except asyncio.CancelledError:
+            trace.end(None)
+            raise
+        except BaseException as err:
+            trace.end(err)
+            raise
+        trace.end(response)
         return response
+
+    @property
+    def tracing(self) -> bool:
+        """Whether requests may be traced now: front ends read a client's ``traceparent``
+        only then (one attribute read per request otherwise)."""
+        return self.extensions.traces.active
 
     def stream(self, admission: Admission) -> ResponseStream:
         """Run an admitted request; its responses come from the returned stream as the model
@@ -275,7 +311,9 @@ class InferenceService:
         Raises:
             GpuserveError: refused at once (queue full: 429; unloading: 503).
         """
-        return admission.runner.stream(admission.request)
+        stream = admission.runner.stream(admission.request)
+        trace = admission.request.trace
+        return stream if trace is None else TracedStream(stream, trace)
 
     def record_unrouted(self, model: str, version: str | None, reason: str) -> None:
         """Count a request that failed before any model version took it (unknown model or

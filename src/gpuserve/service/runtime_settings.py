@@ -6,19 +6,17 @@
 ``trace_rate`` (trace one request in N), ``trace_count`` (stop after N traces; ``-1``: never),
 ``log_frequency`` (flush the file every N traces; ``0``: at each trace), ``trace_file`` (a
 file in the server's trace directory, ``--trace-dir``: a relative name goes there, any other
-place is refused) and ``trace_mode`` (``triton`` only). A model's settings override the
+place is refused) and ``trace_mode`` (``triton`` or ``opentelemetry``, chosen at start-up by
+``--trace-config mode=...`` and only read here). A model's settings override the
 server-wide ones key by key; setting a model key to no value (JSON ``null``, an empty gRPC
-list) clears it back to the server-wide value. A traced request appends one JSON line to
-``trace_file``::
+list) clears it back to the server-wide value.
 
-    {"id": 7, "model_name": "simple", "model_version": "1", "request_id": "r1",
-     "timestamps": [{"name": "QUEUE_START", "ns": ...}, {"name": "COMPUTE_START", "ns": ...},
-                    {"name": "COMPUTE_END", "ns": ...}, {"name": "REQUEST_END", "ns": ...}]}
-
-(JSON lines rather than Triton's one JSON array, so a file being written is always readable;
-``ns`` on the wall clock, derived from the engine's queue and compute times). Requests that are
-not traced cost one dictionary lookup. Per-batch profiles with ``torch.profiler`` stay on
-``POST /v2/repository/models/{m}/trace``; NVTX ranges are always on under CUDA.
+The settings choose which requests are traced (:meth:`TraceSettings.start`, at admission);
+:mod:`gpuserve.service.tracing` holds the traces and the two sinks: Triton's JSON lines in
+``trace_file``, and OpenTelemetry spans (:mod:`gpuserve.service.otel`). Requests that are
+not traced get no trace object; with tracing off the service does not even ask. Per-batch
+profiles with ``torch.profiler`` stay on ``POST /v2/repository/models/{m}/trace``; NVTX
+ranges are always on under CUDA.
 
 **Log settings** (``/v2/logging``, gRPC ``LogSettings``): ``log_info``, ``log_warning``,
 ``log_error`` (booleans) and ``log_verbose_level`` (integer) set the level of the process's
@@ -33,14 +31,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
-import orjson
-
-from gpuserve.engine.request import InferenceResponse
+from gpuserve.engine import tracing as engine_tracing
 from gpuserve.errors import InvalidInputError
+from gpuserve.service.otel import OtelSettings
+from gpuserve.service.tracing import JsonLinesSink, Traced, TraceSink, next_trace_id
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ def _default_trace() -> dict[str, TraceValue]:
     }
 
 
-def _check_trace(key: str, values: list[str], where: str) -> TraceValue:
+def _check_trace(key: str, values: list[str], where: str, mode: str = "triton") -> TraceValue:
     """The stored value of ``key`` set to ``values`` (Triton's string lists)."""
     if key not in TRACE_KEYS:
         raise InvalidInputError(
@@ -96,12 +93,17 @@ def _check_trace(key: str, values: list[str], where: str) -> TraceValue:
             number = int(value)
         except ValueError:
             number = None
-        low = -1 if key == "trace_count" else (1 if key == "trace_rate" else 0)
+        # rate 0 (only requests with a client's trace context) is Triton's, in OTel mode only
+        rate_low = 0 if mode == "opentelemetry" else 1
+        low = -1 if key == "trace_count" else (rate_low if key == "trace_rate" else 0)
         if number is None or number < low:
             raise InvalidInputError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
         return str(number)
-    if key == "trace_mode" and value != "triton":
-        raise InvalidInputError(f"{where}: trace_mode {value!r}: only 'triton' is supported")
+    if key == "trace_mode" and value != mode:
+        raise InvalidInputError(
+            f"{where}: trace_mode {value!r}: the mode is chosen at start-up "
+            f"(--trace-config mode=triton|opentelemetry); this server runs only {mode!r}"
+        )
     return value
 
 
@@ -109,35 +111,53 @@ def _check_trace(key: str, values: list[str], where: str) -> TraceValue:
 class _Trace:
     """What the settings of one model mean for its requests."""
 
-    rate: int
+    rate: int  # trace one request in ``rate``; 0: only those with a client's trace context
     left: int  # traces still allowed; -1: unlimited
-    flush_every: int
-    path: Path | None
+    sink: TraceSink
     seen: int = 0
-    written: int = 0
-    file: IO[bytes] | None = field(default=None, repr=False)
 
 
 class TraceSettings:
-    """Triton's trace settings, server-wide and per model, and the request tracer they drive.
+    """Triton's trace settings, server-wide and per model, and the sampler they drive.
 
     Args:
         trace_dir: The only folder trace files are written in (the server's ``trace_dir``):
             a relative ``trace_file`` is taken inside it, an absolute one must lie in it, so a
             client cannot make the server append to any other file. None: any path (tests).
         clock_ns: Wall clock, nanoseconds (injected for tests).
+        mode: ``triton`` (JSON lines) or ``opentelemetry`` (spans through ``otel``); fixed
+            for the server's life, as in Triton.
+        otel: The exporter settings of the ``opentelemetry`` mode.
+        initial: Server-wide settings to start with (``--trace-config``), Triton's keys.
+
+    Raises:
+        MissingDependencyError: ``opentelemetry`` mode without the ``tracing`` extra.
+        InvalidInputError: a bad ``initial`` setting.
     """
 
     def __init__(
-        self, trace_dir: Path | None = None, clock_ns: Callable[[], int] | None = None
+        self,
+        trace_dir: Path | None = None,
+        clock_ns: Callable[[], int] | None = None,
+        mode: str = "triton",
+        otel: OtelSettings | None = None,
+        initial: dict[str, list[str]] | None = None,
     ) -> None:
         self.trace_dir = trace_dir
+        self.mode = mode
         self._clock_ns = clock_ns or time.time_ns
         self._global = _default_trace()
+        self._global["trace_mode"] = mode
         self._models: dict[str, dict[str, TraceValue]] = {}
-        self._active: dict[str, _Trace] = {}  # model -> its tracer ("" = the server-wide one)
+        self._active: dict[str, _Trace] = {}  # model -> its sampler ("" = the server-wide one)
         self._lock = threading.Lock()
-        self._next_id = 0
+        self._otel: TraceSink | None = None
+        if mode == "opentelemetry":
+            from gpuserve.service.otel import OtelSink  # the tracing extra, only in this mode
+
+            self._otel = OtelSink(otel or OtelSettings())
+        if initial:
+            self.update(dict(initial))
 
     def get(self, model: str | None = None) -> dict[str, TraceValue]:
         """The settings in effect for ``model`` (None: the server-wide ones)."""
@@ -158,6 +178,7 @@ class TraceSettings:
         where = f"trace settings of model {model!r}" if model else "trace settings"
         staged = dict(self._models.get(model, {}) if model else self._global)
         defaults = _default_trace()
+        defaults["trace_mode"] = self.mode
         for key, values in changes.items():
             if not values:
                 if key not in TRACE_KEYS:
@@ -167,7 +188,7 @@ class TraceSettings:
                 else:
                     staged[key] = defaults[key]
                 continue
-            staged[key] = _check_trace(key, values, where)
+            staged[key] = _check_trace(key, values, where, self.mode)
             if key == "trace_file":
                 self._file_path(str(staged[key]), where)  # refused before anything changes
         with self._lock:
@@ -181,22 +202,28 @@ class TraceSettings:
         return self.get(model)
 
     def _restart(self) -> None:
-        """Rebuild the tracers from the settings (counts start again), under the lock."""
+        """Rebuild the samplers from the settings (counts start again), under the lock."""
         for trace in self._active.values():
-            if trace.file is not None:
-                trace.file.close()
+            if trace.sink is not self._otel:
+                trace.sink.shutdown()
         self._active.clear()
         for name in ["", *self._models]:
             settings = self.get(name or None)
             if settings["trace_level"] == ["OFF"]:
                 continue
-            path = str(settings["trace_file"])
+            sink = self._otel
+            if sink is None:
+                path = str(settings["trace_file"])
+                sink = JsonLinesSink(
+                    self._file_path(path, "trace settings") if path else None,
+                    int(str(settings["log_frequency"])),
+                )
             self._active[name] = _Trace(
                 rate=int(str(settings["trace_rate"])),
                 left=int(str(settings["trace_count"])),
-                flush_every=int(str(settings["log_frequency"])),
-                path=self._file_path(path, "trace settings") if path else None,
+                sink=sink,
             )
+        engine_tracing.state.switch(self, bool(self._active))
 
     def _file_path(self, given: str, where: str) -> Path:
         """Where ``trace_file`` ``given`` is written.
@@ -220,65 +247,54 @@ class TraceSettings:
         """Whether any request may be traced (one attribute read on the request path)."""
         return bool(self._active)
 
-    def record(self, model: str, response: InferenceResponse) -> None:
-        """Trace ``response`` if its model's settings sample it (call when it is answered)."""
+    def start(
+        self,
+        model: str,
+        version: str | None,
+        request_id: str | None,
+        traceparent: str | None = None,
+    ) -> Traced | None:
+        """The trace of a request to ``model`` if its settings sample it, started now; else
+        None. In ``opentelemetry`` mode a request carrying a client's ``traceparent`` is
+        always traced (as in Triton), whatever the rate and count."""
         trace = self._active.get(model)
         if trace is None:
             if model in self._models:  # its own settings turn tracing off
-                return
+                return None
             trace = self._active.get("")
             if trace is None:
-                return
+                return None
+        propagated = bool(traceparent) and trace.sink is self._otel
         with self._lock:
             trace.seen += 1
-            if trace.left == 0 or (trace.seen - 1) % trace.rate:
-                return
-            if trace.left > 0:
-                trace.left -= 1
-            self._next_id += 1
-            line = self._line(self._next_id, response)
-            if trace.path is None:
-                logger.info("trace %s", line.decode())
-                return
-            try:
-                if trace.file is None:
-                    trace.path.parent.mkdir(parents=True, exist_ok=True)
-                    trace.file = trace.path.open("ab")
-                trace.file.write(line + b"\n")
-                trace.written += 1
-                if trace.flush_every <= 1 or trace.written % trace.flush_every == 0:
-                    trace.file.flush()
-            except OSError as err:
-                logger.warning("cannot write trace file %s: %s", trace.path, err)
-
-    def _line(self, trace_id: int, response: InferenceResponse) -> bytes:
-        end = self._clock_ns()
-        timing = response.timing
-        total_ns = int(max(timing.total_s, timing.queue_s + timing.compute_s) * 1e9)
-        start = end - total_ns
-        compute_start = start + int(timing.queue_s * 1e9)
-        compute_end = compute_start + int(timing.compute_s * 1e9)
-        record = {
-            "id": trace_id,
-            "model_name": response.model_name,
-            "model_version": response.model_version,
-            "request_id": response.id or "",
-            "timestamps": [
-                {"name": "QUEUE_START", "ns": start},
-                {"name": "COMPUTE_START", "ns": compute_start},
-                {"name": "COMPUTE_END", "ns": compute_end},
-                {"name": "REQUEST_END", "ns": end},
-            ],
-        }
-        return orjson.dumps(record)
+            if not propagated:
+                if trace.left == 0 or trace.rate == 0 or (trace.seen - 1) % trace.rate:
+                    return None
+                if trace.left > 0:
+                    trace.left -= 1
+        traced = Traced(
+            trace.sink,
+            model,
+            version or "",
+            request_id or "",
+            "request",
+            self._clock_ns,
+            next_trace_id(),
+        )
+        trace.sink.open(traced, None, traceparent if propagated else None)
+        return traced
 
     def close(self) -> None:
-        """Flush and close the trace files."""
+        """Flush and close the trace files; export what the OpenTelemetry sink holds."""
         with self._lock:
             for trace in self._active.values():
-                if trace.file is not None:
-                    trace.file.close()
-                    trace.file = None
+                if trace.sink is not self._otel:
+                    trace.sink.shutdown()
+            if self._otel is not None:
+                self._otel.shutdown()
+                self._otel = None
+            self._active.clear()
+            engine_tracing.state.switch(self, False)
 
 
 #: Log settings value: bool, int or string.

@@ -200,6 +200,12 @@ class InferenceRequest:
         """The outputs the client asked for (empty: all)."""
         return list(self._outputs)
 
+    def trace(self) -> Any:
+        """Triton's ``request.trace()``, for ``InferenceRequest(..., trace=request.trace())``:
+        gpuserve nests a BLS call under the traced request of the running batch by itself,
+        so this is only accepted (None)."""
+        return self._options.get("trace")
+
     def request_id(self) -> str:
         """The request's id (``""`` when it names none)."""
         return self._request_id

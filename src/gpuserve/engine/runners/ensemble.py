@@ -38,7 +38,12 @@ from gpuserve.engine.assembly import HandoffRequest, request_rows
 from gpuserve.engine.ensemble import EnsemblePlan, EnsembleRun
 from gpuserve.engine.ensemble_handoff import HandoffDecision, host_inputs
 from gpuserve.engine.ensemble_stats import EnsembleStats, StepStats
-from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
+from gpuserve.engine.request import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestTiming,
+    end_trace_with,
+)
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import (
@@ -255,6 +260,10 @@ class EnsembleRunner(VersionRunner):
     def _submit_step(self, run: _Run, index: int) -> None:
         step = self.plan.steps[index]
         request = run.request
+        # A traced ensemble request: the step's span nests under the ensemble's.
+        trace = None
+        if request.trace is not None:
+            trace = request.trace.child(step.model, step.version, "ensemble_step")
         try:
             runner = self.router.runner(step.model, step.version)
             step_request = HandoffRequest(
@@ -269,10 +278,15 @@ class EnsembleRunner(VersionRunner):
                 is_cancelled=run.gone,
                 keep_tensors=run.keep[index] if run.keep else frozenset(),
             )
+            step_request.trace = trace
             future = runner.submit(step_request)  # as a client's: admission step first
         except Exception as err:  # refused (GpuserveError), or anything else: this run fails
+            if trace is not None:
+                trace.end(err)
             self._fail(run, index, err)
             return
+        if trace is not None:
+            end_trace_with(trace, future)
         run.steps[index] = future
         run.step_started[index] = self.clock()
         future.add_done_callback(lambda f: self._step_done(run, index, f))

@@ -44,3 +44,11 @@ def log_call(
         record.rows = first[0] if first else 1
     record.size = response.ByteSize() if response is not None else 0
     log_access(record)
+
+
+def grpc_traceparent(context: Any) -> str | None:
+    """The client's W3C ``traceparent`` metadata (read only while tracing is on)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None

@@ -47,7 +47,7 @@ from gpuserve.protocol.limits import RequestLimits
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import grpc_service_pb2_grpc as pb_grpc
 from gpuserve.server.grpc import messages
-from gpuserve.server.grpc.access import log_call
+from gpuserve.server.grpc.access import grpc_traceparent, log_call
 from gpuserve.server.grpc.extensions import ExtensionRpcs
 from gpuserve.server.grpc.stream import stream_infer
 from gpuserve.server.security import Redactor, bearer_token, check_model_name
@@ -290,8 +290,9 @@ class InferenceServicer(ExtensionRpcs, pb_grpc.GRPCInferenceServiceServicer):
         forms. A model that loads on demand is loaded first (then admitted without an
         await in between)."""
         wire = GrpcInferMessage(request, self.limits, self.service.extensions.shared_memory)
+        traceparent = grpc_traceparent(context) if self.service.tracing else None
         admission = await self.service.admit_loaded(
-            request.model_name, request.model_version or None, wire, context.cancelled
+            request.model_name, request.model_version or None, wire, context.cancelled, traceparent
         )
         response = await self.service.run(admission)
         return self.encode(wire, admission, response), response.timing

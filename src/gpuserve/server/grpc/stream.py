@@ -33,7 +33,7 @@ import grpc
 from gpuserve.errors import GpuserveError, InvalidInputError
 from gpuserve.protocol.grpc_codec import GrpcInferMessage
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
-from gpuserve.server.grpc.access import log_call
+from gpuserve.server.grpc.access import grpc_traceparent, log_call
 from gpuserve.server.status import grpc_code
 
 if TYPE_CHECKING:
@@ -107,8 +107,13 @@ async def stream_infer(
             return
         try:
             wire = GrpcInferMessage(request, servicer.limits, service.extensions.shared_memory)
+            traceparent = grpc_traceparent(context) if service.tracing else None
             admission = await service.admit_loaded(
-                request.model_name, request.model_version or None, wire, context.cancelled
+                request.model_name,
+                request.model_version or None,
+                wire,
+                context.cancelled,
+                traceparent,
             )
             if not admission.config.model_transaction_policy.decoupled:
                 response = await service.run(admission)

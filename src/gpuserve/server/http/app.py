@@ -60,7 +60,7 @@ from gpuserve.server.http import extensions_api, generate, openai
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository_api import RepositoryApi
-from gpuserve.server.http.request import JSON, HttpRequest
+from gpuserve.server.http.request import JSON, HttpRequest, traceparent
 from gpuserve.server.http.routes import (
     ANY,
     GET,
@@ -295,7 +295,8 @@ class HttpApp:
         # A request whose client disconnects while it waits is dropped when its batch forms,
         # so it never runs. The probe reads the connection's state lazily: watching each
         # connection would cost more than the check.
-        admission = self.service.admit(name, version, wire, request.is_disconnected)
+        context = traceparent(request) if self.service.tracing else None
+        admission = self.service.admit(name, version, wire, request.is_disconnected, context)
         self._submit(request, admission, wire)
         return None
 
@@ -375,7 +376,8 @@ class HttpApp:
         be evicted before the request is queued)."""
         try:
             probe = request.is_disconnected
-            admission = await self.service.admit_loaded(name, version, wire, probe)
+            context = traceparent(request) if self.service.tracing else None
+            admission = await self.service.admit_loaded(name, version, wire, probe, context)
             self._submit(request, admission, wire)
         except Exception as err:
             self._fail(request, err)

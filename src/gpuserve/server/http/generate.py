@@ -38,7 +38,7 @@ from gpuserve.errors import GpuserveError, InvalidInputError
 from gpuserve.protocol.binary import bytes_as_text
 from gpuserve.protocol.http_codec import HttpInferBody
 from gpuserve.protocol.limits import RequestLimits
-from gpuserve.server.http.request import HttpRequest
+from gpuserve.server.http.request import HttpRequest, traceparent
 from gpuserve.server.security import Redactor
 from gpuserve.service.inference import Admission, InferenceService
 from gpuserve.service.streaming import ResponseStream
@@ -163,7 +163,11 @@ class GenerateApi:
         """Answer one generate request (``endpoint``: ``generate`` or ``generate_stream``)."""
         try:
             admission = await self.service.admit_loaded(
-                name, version, _GenerateBody(request.body, self.limits), request.is_disconnected
+                name,
+                version,
+                _GenerateBody(request.body, self.limits),
+                request.is_disconnected,
+                traceparent(request) if self.service.tracing else None,
             )
             request.access = admission
             if endpoint == "generate":

@@ -105,3 +105,9 @@ class HttpRequest:
             return
         self.answered = True
         self.connection.write_response(self, status, body, content_type, headers)
+
+
+def traceparent(request: HttpRequest) -> str | None:
+    """The client's W3C ``traceparent`` header (front ends read it only while tracing is on)."""
+    value = request.header(b"traceparent")
+    return None if value is None else value.decode("latin-1")
