@@ -161,6 +161,9 @@ class VersionRunner(abc.ABC):
 
     Attributes:
         kind: ``"batching"``, ``"streaming"`` or ``"ensemble"``.
+        decoupled: Whether a request may get any number of responses (the config's
+            ``model_transaction_policy.decoupled``, read once here); front ends mark each
+            streamed response ``final`` only then.
         stats: The version's statistics (requests, batches, responses).
     """
 
@@ -178,6 +181,7 @@ class VersionRunner(abc.ABC):
         self.name = config.name or ""
         self.version = version
         self.capabilities = capabilities
+        self.decoupled = config.model_transaction_policy.decoupled
         self.clock = clock
         self.stats: ModelStats = ModelStats(self.name, version)
         self._step: AdmissionStep | None = capabilities.admission

@@ -115,12 +115,7 @@ async def stream_infer(
                 context.cancelled,
                 traceparent,
             )
-            if not admission.config.model_transaction_policy.decoupled:
-                response = await service.run(admission)
-                last = servicer.encode(wire, admission, response)
-                await results.put(_marked(last, True))
-            else:
-                code, last = await _decoupled(request, wire, admission, code)
+            code, last = await _streamed(request, wire, admission, code)
         except GpuserveError as err:
             code = grpc_code(err)
             await results.put(stream_error(request, servicer.redactor.text(err.message)))
@@ -132,10 +127,13 @@ async def stream_infer(
             total_s = time.monotonic() - started
             log_call(context.peer(), "ModelStreamInfer", code, request, last, total_s)
 
-    async def _decoupled(
+    async def _streamed(
         request: pb.ModelInferRequest, wire: GrpcInferMessage, admission: Admission, code: str
     ) -> tuple[str, pb.ModelInferResponse | None]:
-        empty_final = empty_final_wanted(request)
+        # One way for every model: a model that is not decoupled streams its one response
+        # (final); its error goes back unmarked, as Triton sends it.
+        decoupled = admission.runner.decoupled
+        empty_final = decoupled and empty_final_wanted(request)
         stream = service.stream(admission)
         last: pb.ModelInferResponse | None = None
         try:
@@ -143,7 +141,8 @@ async def stream_infer(
                 if item.error is not None:
                     code = grpc_code(item.error)
                     text = servicer.redactor.text(item.error.message)
-                    await results.put(stream_error(request, text, item.final))
+                    final = item.final if decoupled else None
+                    await results.put(stream_error(request, text, final))
                 elif item.response is not None:
                     last = servicer.encode(wire, admission, item.response)
                     await results.put(_marked(last, item.final))
