@@ -16,7 +16,8 @@ for the next), against real servers on free ports:
   seconds instead of minutes; their own flags are still parsed and used.
 * ``yaml`` blocks must parse; those with a ``backend:`` key must be valid model configs.
 * A block preceded by ``<!-- test: expect-error -->`` shows a mistake: it must still exit 0
-  (the page writes ``|| echo ...`` where a command fails), and its output may carry an error.
+  (the page writes ``|| echo ...`` where a command fails), and its output must show the
+  failure (``failed`` or an ``"error"`` body).
 
 Blocks that cannot run here are listed in :data:`SKIPPED` with the reason (and are still
 checked to parse where that is cheap: every ``gpuserve`` command line's flags go through the
@@ -277,7 +278,10 @@ def test_page_runs_as_written(page, server, tmp_path):
             assert result.returncode == 0, (
                 f"{block.where} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
             )
-            if not block.expect_error:
+            if block.expect_error:  # the page shows a mistake: it must show up
+                shown = result.stdout + result.stderr
+                assert "failed" in shown or '"error"' in shown, f"{block.where}:\n{shown}"
+            else:
                 assert '"error"' not in result.stdout, f"{block.where}:\n{result.stdout}"
             ran += 1
     except BaseException:
