@@ -73,3 +73,17 @@ def test_every_docs_page_is_in_the_nav() -> None:
     assert pages - listed == set(), f"pages missing from mkdocs.yml nav: {sorted(pages - listed)}"
     assert listed - pages == set(), f"nav entries without a page: {sorted(listed - pages)}"
     assert config["theme"].get("font") is False, "web fonts would be fetched by readers' browsers"
+
+
+def test_the_pages_say_how_to_reach_the_gpuserve_command_before_using_it() -> None:
+    """After the install command, a bare ``gpuserve`` works only in the activated venv: the
+    README and the getting-started page say so before their first bare ``gpuserve`` line."""
+    for name in ("README.md", "docs/getting-started.md"):
+        text = (ROOT / name).read_text(encoding="utf-8")
+        told = text.find(". .venv/bin/activate")
+        assert told > 0 and ".venv/bin/gpuserve" in text, f"{name}: activate the venv first"
+        blocks = re.findall(r"^```(?:bash|sh|text|console)\n(.*?)^```", text, re.S | re.M)
+        for block in blocks:
+            for line in block.splitlines():
+                if line.startswith("gpuserve "):
+                    assert text.find(line) > told, f"{name}: {line!r} before the venv is active"
