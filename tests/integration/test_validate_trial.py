@@ -136,3 +136,20 @@ def test_the_server_logs_the_first_mismatching_answer_with_its_reason(tmp_path, 
     logged = [r.getMessage() for r in caplog.records if "declared outputs" in r.getMessage()]
     assert len(logged) == 1, logged  # once per instance, not once per request
     assert "wrong_output" in logged[0] and "returned ['OUT']" in logged[0]
+
+
+def test_the_start_up_summary_counts_the_versions_that_failed_beside_those_ready(
+    tmp_path, caplog
+):
+    root = write(tmp_path / "models", ["good_python", "syntax_error"])
+    (root / "bad_config" / "1").mkdir(parents=True)
+    (root / "bad_config" / "config.yaml").write_text("backend: python\nmax_batch_sise: 4\n")
+    with caplog.at_level(logging.INFO, logger="gpuserve.repository.manager"):
+        server = InProcessServer(root)
+        server.stop()
+    (record,) = [r for r in caplog.records if "initial load done" in r.getMessage()]
+    assert record.levelno == logging.WARNING  # something failed: not an INFO line
+    assert record.getMessage() == (
+        "initial load done: 1 version(s) ready: good_python:1; "
+        "1 version(s) failed to load: syntax_error:1; 1 model(s) cannot be loaded: bad_config"
+    )

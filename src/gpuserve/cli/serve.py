@@ -301,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         preflight(config)
     except StartupError as err:
-        print(f"gpuserve: {err}", file=sys.stderr)
+        for problem in err.problems:
+            print(f"gpuserve: {problem}", file=sys.stderr)
         return 2
     from gpuserve.server.logs import configure_logging
     from gpuserve.server.memory import start_memory_care
