@@ -89,12 +89,17 @@ def trial_problems(config: ModelConfig, version_path: Path, version: int) -> lis
         lambda _result: None,
         pipeline_depth=1,
     )
+    quiet = logging.getLogger("gpuserve.engine.instance")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the problem line says it; no second copy in the log
     try:
         instance.start(LOAD_TIMEOUT_S)
     except GpuserveError as err:
         return [f"{version_path}: {_cause(err.message, config.name or '')}"]
     except Exception as err:
         return [f"{version_path}: cannot be loaded: {type(err).__name__}: {err}"]
+    finally:
+        quiet.setLevel(level)
     instance.stop()
     return []
 
