@@ -70,6 +70,14 @@ NEEDS = {
 #: Appended to ``gpuserve bench`` lines: one level, short windows, no progress bar.
 BENCH_FAST = "--warmup-s 0.3 --window-s 0.5 --max-windows 2 --stable-windows 1 --quiet"
 EXPECT_ERROR = "<!-- test: expect-error -->"
+#: The environment of every block and page server: this environment's commands first on PATH,
+#: and PYTHONPATH made absolute (blocks run in a scratch folder, where ``src`` is no folder).
+ENV = {
+    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    "PYTHONPATH": os.pathsep.join(
+        str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    ),
+}
 RUN_LANGS = ("bash", "sh", "python")
 
 
@@ -198,8 +206,7 @@ class PageRun:
             self.own.stop()
         grpc = free_port()
         self.own = SubprocessServer(
-            *args, "--grpc-port", str(grpc), ready_timeout_s=240, cwd=self.cwd,
-            env={"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"},
+            *args, "--grpc-port", str(grpc), ready_timeout_s=240, cwd=self.cwd, env=ENV,
         )  # fmt: skip
         self.port, self.grpc_port = self.own.port, grpc
 
@@ -233,7 +240,7 @@ class PageRun:
         return self._run(["bash", "-c", shell_script("\n".join(lines), self.port, self.grpc_port)])
 
     def _run(self, command: list[str]) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env = {**os.environ, **ENV}
         return subprocess.run(
             command, cwd=self.cwd, env=env, capture_output=True, text=True, timeout=300
         )
