@@ -30,28 +30,39 @@ inputs:
   - {{name: OUTPUT0, datatype: FP32, shape: [-1]}}
 """
 MODELS = {
-    "good_python": ("python", """
+    "good_python": (
+        "python",
+        """
 from gpuserve import PythonModel
 
 class Model(PythonModel):
     def forward(self, batch):
         return {"OUTPUT0": batch["INPUT0"] + 1}
-"""),
-    "good_torch": ("torch", """
+""",
+    ),
+    "good_torch": (
+        "torch",
+        """
 import torch
 
 class Model(torch.nn.Module):
     def forward(self, x):
         return x * 2
-"""),
-    "syntax_error": ("python", """
+""",
+    ),
+    "syntax_error": (
+        "python",
+        """
 from gpuserve import PythonModel
 
 class Model(PythonModel)
     def forward(self, batch):
         return batch
-"""),
-    "needs_arguments": ("torch", """
+""",
+    ),
+    "needs_arguments": (
+        "torch",
+        """
 import torch
 
 class Model(torch.nn.Module):
@@ -61,21 +72,28 @@ class Model(torch.nn.Module):
 
     def forward(self, x):
         return x
-"""),
-    "wrong_output": ("python", """
+""",
+    ),
+    "wrong_output": (
+        "python",
+        """
 from gpuserve import PythonModel
 
 class Model(PythonModel):
     def forward(self, batch):
         return {"OUT": batch["INPUT0"] * 2}
-"""),
-    "wrong_rows": ("python", """
+""",
+    ),
+    "wrong_rows": (
+        "python",
+        """
 from gpuserve import PythonModel
 
 class Model(PythonModel):
     def forward(self, batch):
         return {"OUTPUT0": batch["INPUT0"][:0]}
-"""),
+""",
+    ),
 }
 
 
@@ -138,9 +156,7 @@ def test_the_server_logs_the_first_mismatching_answer_with_its_reason(tmp_path, 
     assert "wrong_output" in logged[0] and "returned ['OUT']" in logged[0]
 
 
-def test_the_start_up_summary_counts_the_versions_that_failed_beside_those_ready(
-    tmp_path, caplog
-):
+def test_the_start_up_summary_counts_the_versions_that_failed_beside_those_ready(tmp_path, caplog):
     root = write(tmp_path / "models", ["good_python", "syntax_error"])
     (root / "bad_config" / "1").mkdir(parents=True)
     (root / "bad_config" / "config.yaml").write_text("backend: python\nmax_batch_sise: 4\n")

@@ -20,7 +20,9 @@ REGENERATE = "python scripts/gen_reference.py"
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_reference", ROOT / "scripts" / "gen_reference.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["gen_reference"] = module
     spec.loader.exec_module(module)

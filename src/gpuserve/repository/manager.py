@@ -478,4 +478,3 @@ class ModelManager(Router):
 def _fingerprints(entries: list[ModelEntry]) -> dict[str, dict[int, Fingerprint]]:
     """Each model's version folder fingerprints, by model name and version."""
     return {e.name: {v: f.fingerprint for v, f in e.folders.items()} for e in entries}
-
