@@ -94,7 +94,12 @@ class SubprocessServer:
     """``python -m gpuserve serve`` as a child process."""
 
     def __init__(
-        self, *args: str, ready_timeout_s: float = 180.0, env: dict | None = None, wait: bool = True
+        self,
+        *args: str,
+        ready_timeout_s: float = 180.0,
+        env: dict | None = None,
+        wait: bool = True,
+        cwd: Path | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -123,6 +128,7 @@ class SubprocessServer:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=full_env,
+            cwd=cwd,
         )
         if wait:
             try:

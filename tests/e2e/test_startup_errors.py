@@ -126,6 +126,26 @@ def test_a_taken_port_names_the_port_and_the_flag(flag, what, taken_port):
     assert "Traceback" not in result.stderr
 
 
+def test_every_taken_port_and_the_repository_are_reported_at_once(tmp_path, taken_port):
+    """Three problems, three lines, one run: no second start to find the next taken port."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        second = other.getsockname()[1]
+        result = gpuserve(
+            "serve", "--host", "127.0.0.1", "--model-repository", str(tmp_path / "modles"),
+            "--http-port", str(taken_port), "--grpc-port", str(second), "--metrics-port", "0",
+        )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 3, result.stderr
+    assert "modles" in lines[0] and "no such folder" in lines[0]
+    assert f"gRPC on 127.0.0.1:{second} (--grpc-port" in lines[1]
+    assert f"HTTP on 127.0.0.1:{taken_port} (--http-port" in lines[2]
+    assert all(line.startswith("gpuserve: ") for line in lines)
+
+
 def test_the_server_maps_a_late_bind_failure_and_a_vanished_repository(
     tmp_path, taken_port, caplog, monkeypatch
 ):

@@ -84,7 +84,9 @@ def register(sub: Any) -> None:
     )
     bench.add_argument("-m", "--model", help="model name (default: the server's only model)")
     bench.add_argument("--model-version", help="version (default: the server's choice)")
-    bench.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    bench.add_argument(
+        "--protocol", choices=["http", "grpc"], default="http", help="KServe V2 over HTTP or gRPC"
+    )
     bench.add_argument("--grpc-url", default="127.0.0.1:8001", help="gRPC host:port")
     bench.add_argument(
         "--tensor-format",

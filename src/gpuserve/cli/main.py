@@ -54,10 +54,39 @@ def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
         given.insert(0, "serve")  # `gpuserve --model-repository DIR` serves, as `gpuserve` does
-    args = parser.parse_args(given)
+    args, unknown = parser.parse_known_args(given)
     if args.command is None:
-        args = parser.parse_args(["serve", *given])
+        args, unknown = parser.parse_known_args(["serve", *given])
+    if unknown:
+        return _refuse(parser, args, unknown)
     return int(args.func(args))
+
+
+def _refuse(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> int:
+    """Name each argument the command does not take (exit status 2, as argparse's errors):
+    the nearest flag it has, or for a tritonserver flag the gpuserve setting to use."""
+    from gpuserve.cli.flags import unknown_flag_message
+
+    command = subcommand_parser(parser, args.command)
+    name = f"gpuserve {args.command}"
+    after_flag = False
+    for argument in unknown:
+        if argument.startswith("--"):
+            print(unknown_flag_message(name, command, argument), file=sys.stderr)
+            after_flag = "=" not in argument
+        elif after_flag:  # the unknown flag's value
+            after_flag = False
+        else:
+            print(f"{name}: unexpected argument {argument!r} (see {name} --help)", file=sys.stderr)
+    return 2
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``command`` (``serve``, ``models``, ...)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise KeyError(command)
 
 
 if __name__ == "__main__":

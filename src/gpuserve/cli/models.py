@@ -56,11 +56,14 @@ def register(sub: Any) -> None:
     validate = actions.add_parser(
         "validate", help="report every configuration error of every model (exit 1 if any)"
     )
-    validate.add_argument("--model-repository", type=Path, required=True)
+    validate.add_argument(
+        "--model-repository", type=Path, required=True, help="the repository folder to check"
+    )
     validate.add_argument(
         "--no-model-files",
         action="store_true",
-        help="skip the backend's check of each model file against its config",
+        help="skip the backend's check of each model file against its config, and the trial "
+        "load with one request of zeros",
     )
     validate.set_defaults(func=_validate)
 
@@ -105,7 +108,7 @@ def register(sub: Any) -> None:
     }
     for action, text in helps.items():
         parser = actions.add_parser(action, help=text)
-        parser.add_argument("model")
+        parser.add_argument("model", help="the model's name (its folder in the repository)")
         _server_flags(parser)
         if action == "load":
             parser.add_argument(
@@ -114,7 +117,7 @@ def register(sub: Any) -> None:
                 help="load with this configuration (YAML or JSON file) instead of config.yaml",
             )
         if action == "canary":
-            parser.add_argument("--version", type=int, required=True)
+            parser.add_argument("--version", type=int, required=True, help="the canary version")
             parser.add_argument("--weight", type=float, required=True, help="share 0..1")
         if action == "trace":
             parser.add_argument("--batches", type=int, default=1, help="batches to trace")

@@ -81,7 +81,11 @@ def register(sub: Any) -> None:
         type=int,
         help="gRPC port (default 8001; 0 = a free port; -1 = no gRPC listener)",
     )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="least severe log messages shown (default info)",
+    )
     serve.add_argument(
         "--log-format", choices=["text", "json"], help="text lines (default) or JSON objects"
     )
@@ -154,8 +158,8 @@ def _memory_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--malloc-mmap-threshold-bytes",
         type=int,
-        help="malloc blocks this large or larger are mapped and unmapped at free (default "
-        "1048576; 0: glibc's dynamic threshold)",
+        help="malloc blocks this large or larger are mapped and unmapped at free (default 0: "
+        "glibc's dynamic threshold; 1048576 keeps memory flatter at some cost in speed)",
     )
     serve.add_argument(
         "--memory-trim-interval-s",
@@ -344,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         preflight(config)
     except StartupError as err:
-        print(f"gpuserve: {err}", file=sys.stderr)
+        for problem in err.problems:
+            print(f"gpuserve: {problem}", file=sys.stderr)
         return 2
     from gpuserve.server.logs import configure_logging
     from gpuserve.server.memory import start_memory_care

@@ -171,10 +171,22 @@ class InstanceGroup(_Strict):
 
 
 class LatestPolicy(_Strict):
+    """Serve the highest versions (``version_policy.latest``).
+
+    Attributes:
+        num_versions: How many of the highest complete version folders are served.
+    """
+
     num_versions: int = Field(default=1, ge=1)
 
 
 class SpecificPolicy(_Strict):
+    """Serve the listed versions (``version_policy.specific``).
+
+    Attributes:
+        versions: Version numbers to serve (those with a complete folder).
+    """
+
     versions: list[int] = Field(min_length=1)
 
 
@@ -182,6 +194,11 @@ class VersionPolicy(_Strict):
     """Which numeric version folders are served. Exactly one of the three may be set.
 
     ``latest: {num_versions: N}`` (default, N=1), ``all: {}``, ``specific: {versions: [..]}``.
+
+    Attributes:
+        latest: Serve the ``num_versions`` highest versions (the default, with 1).
+        all: ``{}``: serve every version folder.
+        specific: Serve the listed ``versions``.
     """
 
     latest: LatestPolicy | None = None
@@ -250,7 +267,11 @@ class OptimizationConfig(_Strict):
             load with the numbers. 0 = no limit.
         cuda_graphs: Capture a CUDA graph per batch-size bucket and replay it.
         compile: Run the module through ``torch.compile`` with ``compile_mode`` and
-            ``compile_backend`` (``inductor``; ``aot_eager`` traces without generating code).
+            ``compile_backend``, every batch-size bucket warmed up at load.
+        compile_mode: ``torch.compile``'s mode: ``default``, ``reduce-overhead`` or
+            ``max-autotune``.
+        compile_backend: ``torch.compile``'s backend: ``inductor``; ``aot_eager`` traces
+            without generating code.
         channels_last: Use the channels-last memory format for 4-D inputs and weights.
     """
 

@@ -89,6 +89,9 @@ class Instance:
         self._trace_request: tuple[int, Path] | None = None  # set on the loop thread
         self._profiler: Any = None
         self._profile_left = 0
+        #: Whether an answer that did not match the declared outputs has been logged (once
+        #: per instance: the model's bug repeats on every batch, the log should not).
+        self._mismatch_logged = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -346,6 +349,15 @@ class Instance:
         job.error = self._to_error(err)
 
     def _to_error(self, err: BaseException) -> GpuserveError:
+        if isinstance(err, OutputMismatch) and not self._mismatch_logged:
+            # the client gets a 500 with this message; the operator needs it in the log too
+            self._mismatch_logged = True
+            logger.error(
+                "instance %s: answer does not match the declared outputs (first such answer "
+                "of this instance; later ones are not logged): %s",
+                self.name,
+                err.message,
+            )
         if isinstance(err, GpuserveError):
             return err
         if _is_out_of_memory(err):

@@ -44,6 +44,9 @@ from gpuserve.models.sentence_embedding import SentenceEmbedder
 
 logger = logging.getLogger(__name__)
 
+#: The modules ONNX Runtime execution needs (torch's TorchScript exporter writes the graph
+#: with onnx); both are in the base install, so ``gpuserve serve`` gets it on a CPU.
+ONNXRUNTIME_NEEDS = ("onnxruntime", "onnx")
 #: Values of parameter ``execution``.
 EXECUTIONS = ("auto", "torch", "onnxruntime")
 
@@ -61,7 +64,7 @@ def auto_execution(device: str, precision: str) -> str:
         return "onnxruntime"  # int8 has no torch path here: a missing onnxruntime is an error
     if not onnxruntime_runs(device, precision):
         return "torch"
-    installed = all(importlib.util.find_spec(name) is not None for name in ("onnxruntime", "onnx"))
+    installed = all(importlib.util.find_spec(name) is not None for name in ONNXRUNTIME_NEEDS)
     return "onnxruntime" if installed else "torch"
 
 

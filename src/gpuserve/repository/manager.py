@@ -29,7 +29,13 @@ from gpuserve.repository.executor import Change, Executor, adopt, last_scan, sto
 from gpuserve.repository.loading import load_version
 from gpuserve.repository.ondemand import OnDemand
 from gpuserve.repository.planner import Settings
-from gpuserve.repository.report import index_rows, load_failed, model_status, model_summary
+from gpuserve.repository.report import (
+    index_rows,
+    load_failed,
+    load_summary,
+    model_status,
+    model_summary,
+)
 from gpuserve.repository.residency import Limits
 from gpuserve.repository.router import Router
 from gpuserve.repository.scan import Fingerprint, ModelEntry, read_model, scan_repository
@@ -167,8 +173,8 @@ class ModelManager(Router):
         self._seen = _fingerprints(entries)
         await asyncio.gather(*(self._initial(e) for e in entries if e.name in wanted))
         self.initial_load_done = True
-        ready = [f"{m.name}:{v}" for m in self.models.values() for v in m.ready_versions()]
-        logger.info("initial load done: %d version(s) ready: %s", len(ready), ", ".join(ready))
+        summary, failures = load_summary(self.models.values(), wanted)
+        (logger.warning if failures else logger.info)("initial load done: %s", summary)
         if self.control_mode == "poll" and not self.shutting_down:
             self._poll_task = loop.create_task(self._poll_loop())
         if not self.shutting_down:

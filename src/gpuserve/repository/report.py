@@ -7,7 +7,7 @@ that name no version which that version receives now (0..1).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpuserve.repository.state import Model, VersionState
@@ -100,3 +100,25 @@ def load_failed(name: str, failures: Mapping[int, str], served: int | None) -> s
     causes = "; ".join(f"version {v}: {why}" for v, why in sorted(failures.items()))
     tail = f"; version {served} keeps serving" if served is not None else ""
     return f"failed to load model '{name}': {causes}{tail}"
+
+
+def load_summary(models: Iterable[Model], wanted: set[str]) -> tuple[str, int]:
+    """The start-up summary line and how many failures it counts: the versions READY, the
+    versions that failed to load, and the models among ``wanted`` (those the initial load was
+    asked for) that could not be loaded at all (an invalid config, no version folder), e.g.
+    ``2 version(s) ready: a:1, b:1; 1 version(s) failed to load: c:1``."""
+    ready: list[str] = []
+    failed: list[str] = []
+    unloadable: list[str] = []
+    for model in models:
+        serving = model.ready_versions()
+        ready += [f"{model.name}:{v}" for v in serving]
+        failed += [f"{model.name}:{v}" for v in sorted(set(model.failed) - set(serving))]
+        if model.error and model.name in wanted and not model.versions:
+            unloadable.append(model.name)
+    parts = [f"{len(ready)} version(s) ready: {', '.join(ready) or 'none'}"]
+    if failed:
+        parts.append(f"{len(failed)} version(s) failed to load: {', '.join(failed)}")
+    if unloadable:
+        parts.append(f"{len(unloadable)} model(s) cannot be loaded: {', '.join(unloadable)}")
+    return "; ".join(parts), len(failed) + len(unloadable)

@@ -285,7 +285,10 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
     Checks the config of each model, its version folders (complete, holding the backend's
     model file), a canary that names a missing version, and, with ``check_model_files``, the
     backend's ``complete_config`` for each selected version (the check the server does before
-    loading: declared tensors against an ONNX or ``torch.export`` file).
+    loading: declared tensors against an ONNX or ``torch.export`` file), then a trial load on
+    the CPU with the warm-up or one request of zeros (:mod:`gpuserve.repository.trial`: a
+    ``model.py`` that does not import, a constructor that needs arguments, outputs that are
+    not the declared ones).
 
     Returns:
         One message per problem; empty when the repository is fine.
@@ -293,6 +296,8 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
     Raises:
         ConfigError: ``root`` is not a readable folder.
     """
+    from gpuserve.repository.trial import trial_problems  # loads backends: only here
+
     problems: list[str] = []
     entries = scan_repository(root)
     known = sorted(e.name for e in entries)
@@ -321,7 +326,11 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
                 )
                 continue
             if check_model_files and version in entry.versions:
-                problems.extend(_check_complete_config(entry.config, folder.path))
+                found = _check_complete_config(entry.config, folder.path)
+                if isinstance(found, list):
+                    problems.extend(found)
+                else:  # the config the model file completes: load it and try one request
+                    problems.extend(trial_problems(found, folder.path, version))
         canary = entry.config.canary
         if canary is not None and canary.version not in entry.available:
             problems.append(
@@ -331,13 +340,13 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
     return problems
 
 
-def _check_complete_config(config: ModelConfig, version_path: Path) -> list[str]:
+def _check_complete_config(config: ModelConfig, version_path: Path) -> ModelConfig | list[str]:
+    """The config completed from the version's model file, or its problems."""
     from gpuserve.backends import backend_class
 
     try:
-        backend_class(config.backend).complete_config(config, version_path)
+        return backend_class(config.backend).complete_config(config, version_path)
     except ConfigError as err:
         return [err.message]
     except Exception as err:  # a model file the backend cannot read
         return [f"{version_path}: cannot be read by backend '{config.backend}': {err}"]
-    return []

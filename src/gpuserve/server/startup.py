@@ -1,8 +1,9 @@
-"""Start-up checks that fail fast with one line naming the setting to change (issue 19).
+"""Start-up checks that fail fast with one line per problem, naming the setting to change.
 
 ``gpuserve serve`` runs :func:`preflight` before it imports the server (torch and the rest):
-a model repository that is missing, unreadable or a file, and a port that another process
-holds, end the command at once with exit status 2 and one line such as::
+a model repository that is missing, unreadable or a file, and ports that other processes
+hold, end the command at once with exit status 2 and one line per problem (every taken port
+at once), such as::
 
     gpuserve: model repository /srv/modles (--model-repository / GPUSERVE_MODEL_REPOSITORY):
         no such folder
@@ -26,7 +27,12 @@ from typing import Protocol
 
 
 class StartupError(Exception):
-    """The server cannot start; the message is one line naming the setting to change."""
+    """The server cannot start; each of :attr:`problems` is one line naming the setting to
+    change (the message joins them, one per line)."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems: tuple[str, ...] = problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,22 +164,27 @@ class _Settings(_Ports, Protocol):
 
 
 def preflight(config: _Settings) -> None:
-    """Check the model repository, then every fixed port, before the server is built.
+    """Check the model repository and every fixed port before the server is built, and
+    report every problem at once (a second start with the next taken port is not needed).
 
     Raises:
-        StartupError: the first problem found (one line naming the setting).
+        StartupError: every problem found, one line each, in bind order.
     """
+    problems = []
     problem = repository_problem(config.model_repository)
     if problem is not None:
-        raise StartupError(problem)
+        problems.append(problem)
     fixed = [listener for listener in listeners(config) if listener.port > 0]
     for index, listener in enumerate(fixed):
-        for other in fixed[:index]:
-            if other.port == listener.port:
-                raise StartupError(
-                    f"{other.flag} and {listener.flag} are both {listener.port}: "
-                    "give each listener its own port"
-                )
+        same = next((other for other in fixed[:index] if other.port == listener.port), None)
+        if same is not None:
+            problems.append(
+                f"{same.flag} and {listener.flag} are both {listener.port}: "
+                "give each listener its own port"
+            )
+            continue
         reason = bind_problem(config.host, listener.port)
         if reason is not None:
-            raise StartupError(port_message(listener, config.host, reason))
+            problems.append(port_message(listener, config.host, reason))
+    if problems:
+        raise StartupError(*problems)
