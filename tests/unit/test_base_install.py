@@ -22,7 +22,8 @@ def test_the_base_install_brings_what_onnxruntime_execution_needs():
     assert not missing, f"the base dependencies of pyproject.toml lack {sorted(missing)}"
 
 
-def test_auto_picks_onnxruntime_on_a_cpu_in_fp32_only():
+def test_auto_picks_onnxruntime_on_a_cpu_for_fp32_and_int8():
     assert auto_execution("cpu", "fp32") == "onnxruntime"
-    assert auto_execution("cpu", "int8") == "torch"
+    assert auto_execution("cpu", "int8") == "onnxruntime"  # int8 runs on ONNX Runtime only
+    assert auto_execution("cpu", "bf16") == "torch"
     assert auto_execution("cuda:0", "fp32") == "torch"

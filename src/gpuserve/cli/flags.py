@@ -43,7 +43,6 @@ TRITON_FLAGS = {
     "--http-thread-count": "nothing: HTTP runs on one event loop",
     "--model-load-thread-count": "nothing: models load in parallel, each on threads of its own",
     "--id": "nothing",
-    "--trace-config": "the trace settings API (POST /v2/trace/setting)",
     "--rate-limit": "nothing: gpuserve has no rate limiter",
     "--response-cache-byte-size": "nothing: gpuserve has no response cache",
     "--allow-sagemaker": "nothing",

@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
         help="a text model's embeddings at a precision against fp32 on held-out sentences "
         "(cosine min/mean, max abs error, recall@10), in-process",
     )
-    accuracy.add_argument("model")
+    accuracy.add_argument("model", help="the model (a folder of the repository)")
     accuracy.add_argument(
         "--precision",
         required=True,
