@@ -81,6 +81,25 @@ def quantize_file(source: Path, target: Path, scheme: str) -> None:
         root.setLevel(level)
 
 
+def quantize_into(source: Path, target: Path, scheme: str) -> OSError | None:
+    """Quantise ``source`` into ``target`` through a temporary file in ``target``'s folder,
+    renamed when complete (a reader never sees half a graph). Returns the error when that
+    folder cannot be written (nothing is written then), else None."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".int8-", suffix=".onnx")
+    except OSError as err:
+        return err
+    os.close(fd)
+    try:
+        quantize_file(source, Path(tmp), scheme)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return None
+
+
 def quantised_copy(source: Path, scheme: str, cache: Path | None, scratch: Path) -> Path:
     """The int8 form of the graph file ``source``, cached as ``cache/onnx/int8/<sha256 of the
     file>-<scheme>-v<N>.onnx`` (written to a temporary name, then renamed), or written into
@@ -99,20 +118,10 @@ def quantised_copy(source: Path, scheme: str, cache: Path | None, scratch: Path)
         target = folder / name
         if target.is_file():
             return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".int8-", suffix=".onnx")
-        except OSError as err:
-            logger.warning("int8 cache %s not writable (%s): quantising in memory", folder, err)
-        else:
-            os.close(fd)
-            try:
-                quantize_file(source, Path(tmp), scheme)
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        err = quantize_into(source, target, scheme)
+        if err is None:
             return target
+        logger.warning("int8 cache %s not writable (%s): quantising in memory", folder, err)
     target = scratch / name
     quantize_file(source, target, scheme)
     return target

@@ -18,7 +18,8 @@ The exposition is the same as ``prometheus_client``'s: a counter ``NAME`` is sam
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -56,7 +57,36 @@ class HistogramChild:
         self.sum += value
 
 
-class LoopCounter(Collector):
+Child = TypeVar("Child", CounterChild, HistogramChild)
+
+
+class _Family(Collector, Generic[Child]):
+    """The children of one family, by label values (created on first use)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        new_child: Callable[[], Child],
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._new_child: Callable[[], Child] = new_child
+        self._children: dict[tuple[str, ...], Child] = {}
+
+    def labels(self, *values: str) -> Child:
+        """The child of one label set (created empty on first use)."""
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = self._new_child()
+        return child
+
+
+class LoopCounter(_Family[CounterChild]):
     """A counter family with labels, registered in ``registry``.
 
     Args:
@@ -73,20 +103,8 @@ class LoopCounter(Collector):
         labelnames: Sequence[str],
         registry: CollectorRegistry,
     ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], CounterChild] = {}
+        super().__init__(name, documentation, labelnames, CounterChild)
         registry.register(self)
-
-    def labels(self, *values: str) -> CounterChild:
-        """The child of one label set (created at 0 on first use)."""
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-            child = self._children[values] = CounterChild()
-        return child
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
@@ -98,7 +116,7 @@ class LoopCounter(Collector):
         yield family
 
 
-class LoopHistogram(Collector):
+class LoopHistogram(_Family[HistogramChild]):
     """A histogram family with labels, registered in ``registry``.
 
     Args:
@@ -117,24 +135,13 @@ class LoopHistogram(Collector):
         buckets: Sequence[float],
         registry: CollectorRegistry,
     ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self.bounds = tuple(float(b) for b in buckets)
-        if list(self.bounds) != sorted(set(self.bounds)):
-            raise ValueError(f"{self.name}: buckets must increase, got {self.bounds}")
-        self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        bounds = tuple(float(b) for b in buckets)
+        if list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"{name}: buckets must increase, got {bounds}")
+        super().__init__(name, documentation, labelnames, lambda: HistogramChild(bounds))
+        self.bounds = bounds
+        self._le = [floatToGoString(b) for b in bounds] + ["+Inf"]
         registry.register(self)
-
-    def labels(self, *values: str) -> HistogramChild:
-        """The child of one label set (created empty on first use)."""
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-            child = self._children[values] = HistogramChild(self.bounds)
-        return child
 
     def describe(self) -> list[Metric]:
         return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]

@@ -27,11 +27,14 @@ per-batch ranges.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
-from gpuserve.backends.onnx_quantize import INT8_SCHEMES, INT8_VERSION, quantize_file
+from gpuserve.backends.onnx_quantize import (
+    INT8_SCHEMES,
+    INT8_VERSION,
+    quantize_file,
+    quantize_into,
+)
 
 __all__ = ["INT8_SCHEMES", "int8_graph", "quantize_file"]
 
@@ -48,17 +51,9 @@ def int8_graph(source: Path, scheme: str, scratch: Path) -> tuple[Path, str]:
     cached = source.parent / name
     if cached.is_file():
         return cached, f"cached {cached}"
-    try:
-        fd, tmp = tempfile.mkstemp(dir=source.parent, prefix=".int8-", suffix=".onnx")
-    except OSError as err:
+    err = quantize_into(source, cached, scheme)
+    if err is not None:
         target = scratch / name
         quantize_file(source, target, scheme)
         return target, f"quantised in memory ({err})"
-    os.close(fd)
-    try:
-        quantize_file(source, Path(tmp), scheme)
-        os.replace(tmp, cached)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return cached, f"quantised to {cached}"

@@ -188,14 +188,17 @@ class OnDemand:
             # answered at once, not after the load of another model that holds the lock (the
             # folder as read now is the one the load uses)
             entry = await loop.run_in_executor(None, read_model, model.path, None)
-            early = demand.decide(
-                name,
-                self.residents(),
-                self.expected_memory(name, entry),
-                self.limits,
-                self.holding(entry),
-                retry.clock(),
-            )
+            def decide() -> demand.Verdict:
+                return demand.decide(
+                    name,
+                    self.residents(),
+                    self.expected_memory(name, entry),
+                    self.limits,
+                    self.holding(entry),
+                    retry.clock(),
+                )
+
+            early = decide()
             if early.action == "refuse":
                 self._refuse(name, early)
             async with self._lock:
@@ -207,14 +210,7 @@ class OnDemand:
                     or self.manager.shutting_down
                 ):
                     return
-                verdict = demand.decide(
-                    name,
-                    self.residents(),
-                    self.expected_memory(name, entry),
-                    self.limits,
-                    self.holding(entry),
-                    retry.clock(),
-                )
+                verdict = decide()
                 if verdict.action == "refuse":
                     self._refuse(name, verdict)
                 if verdict.action == "load":
