@@ -142,7 +142,7 @@ def test_poll_mode_broken_version_leaves_the_serving_one(tmp_path):
             ready = client.post("/v2/repository/index", json={"ready": True}).json()
             assert [row["version"] for row in ready] == ["2"]
             # no load or unload by API in poll mode; rollback still works
-            assert post(client, "unload").status_code == 503  # as Triton: not in poll mode
+            assert post(client, "unload").status_code == 400  # Triton says 503; permanent here
             assert post(client, "rollback").json()["served_version"] == "1"
     finally:
         server.stop()

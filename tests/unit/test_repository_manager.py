@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.errors import (
-    ConfigError,
-    InvalidInputError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    UnavailableError,
-)
+from gpuserve.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelNotReadyError
 from gpuserve.repository.manager import ModelManager
 from tests.fixtures.lifecycle_support import add_version, make_repository
 
@@ -86,7 +80,7 @@ def test_explicit_mode_loads_the_named_models_then_what_the_api_asks(tmp_path):
         fixed = ModelManager(repo)  # mode none: the repository API does not load or unload
         await fixed.load_all()
         with pytest.raises(
-            UnavailableError, match="^explicit model load / unload is not allowed if polling"
+            InvalidInputError, match="^explicit model load / unload is not allowed if polling"
         ):
             await fixed.unload("versioned")
         await fixed.close()

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.backends.onnx_quantize import INT8_OPS, INT8_SCHEMES, quantised_copy
+from gpuserve.backends.optional import require
 from gpuserve.backends.precision_gate import compare, gate_problem
 from gpuserve.config import ModelConfig
 from gpuserve.datatypes import numpy_dtype
@@ -131,8 +132,7 @@ def open_int8(ort: Any, path: Path, options: Any, config: ModelConfig, version_p
 
 
 def _warn_if_unchanged(path: Path, config: ModelConfig, scheme: str) -> None:
-    import onnx
-
+    onnx = require("onnx", "precision int8", ["load"])
     ops = {node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node}
     if not ops & INT8_OPS:
         logger.warning(

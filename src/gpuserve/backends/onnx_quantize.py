@@ -22,6 +22,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from gpuserve.backends.optional import require
+
 logger = logging.getLogger(__name__)
 
 #: Values of parameter ``int8_scheme``.
@@ -60,19 +62,23 @@ def quantize_file(source: Path, target: Path, scheme: str) -> None:
     root.setLevel(max(level, logging.ERROR))
     try:
         if scheme == "dynamic":
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            quantize_dynamic(
+            quantization = require(
+                "onnxruntime.quantization", "precision int8", ["QuantType", "quantize_dynamic"]
+            )
+            quantization.quantize_dynamic(
                 str(source),
                 str(target),
-                weight_type=QuantType.QInt8,
+                weight_type=quantization.QuantType.QInt8,
                 per_channel=True,
                 op_types_to_quantize=["MatMul"],
             )
             return
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-        quantizer = MatMulNBitsQuantizer(
+        nbits = require(
+            "onnxruntime.quantization.matmul_nbits_quantizer",
+            "precision int8",
+            ["MatMulNBitsQuantizer"],
+        )
+        quantizer = nbits.MatMulNBitsQuantizer(
             str(source), bits=8, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=4
         )
         quantizer.process()

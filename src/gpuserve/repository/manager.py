@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from gpuserve.config import ServerConfig
 from gpuserve.engine.admission import AdmissionPool
-from gpuserve.errors import ConfigError, InvalidInputError, UnavailableError
+from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.repository import rollout
 from gpuserve.repository.ensemble_loading import load_ensemble
 from gpuserve.repository.executor import Change, Executor, adopt, last_scan, stop_all, take_config
@@ -478,10 +478,11 @@ class ModelManager(Router):
         )
 
     def _require_explicit(self, action: str) -> None:
-        """Refuse a load or unload outside ``explicit`` mode: 503 / UNAVAILABLE in Triton's
-        words (its clients and tests look for them), then why."""
+        """Refuse a load or unload outside ``explicit`` mode in Triton's words (its clients
+        and tests look for them), then why. 400, not Triton's 503: the refusal is permanent
+        for this server, and 503 tells a client to retry."""
         if self.control_mode != "explicit":
-            raise UnavailableError(
+            raise InvalidInputError(
                 "explicit model load / unload is not allowed if polling is enabled (model "
                 f"{action} requests need model_control_mode 'explicit'; this server runs in "
                 f"'{self.control_mode}' mode)"
