@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.helpers import InProcessServer  # noqa: E402
 
-from gpuserve.engine.decoupled import DecoupledExecutor  # noqa: E402
+from gpuserve.engine.streaming.executor import DecoupledExecutor  # noqa: E402
 
 
 def sse_rate(server: InProcessServer, responses: int) -> float:

@@ -14,7 +14,7 @@ import yaml
 
 from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.engine.calls import check_call_inputs
-from gpuserve.engine.ensemble import EnsemblePlan, EnsembleRun, step_problems
+from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun, step_problems
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.runners.ensemble import EnsembleRunner
 from gpuserve.errors import (

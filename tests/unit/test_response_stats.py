@@ -15,7 +15,7 @@ from gpuserve.engine.response_stats import (
     ResponseStats,
 )
 from gpuserve.engine.stats import ModelStats
-from gpuserve.engine.stream_buffer import ResponseChannel, StreamItem
+from gpuserve.engine.streaming.buffer import ResponseChannel, StreamItem
 from gpuserve.errors import BackendError
 
 
@@ -223,7 +223,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns():
-    from gpuserve.engine.decoupled import DecoupledExecutor
+    from gpuserve.engine.streaming.executor import DecoupledExecutor
     from gpuserve.engine.request import InferenceRequest
 
     async def main():
@@ -257,7 +257,7 @@ def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns(
 
 
 def test_a_request_that_never_ran_counts_no_response():
-    from gpuserve.engine.decoupled import DecoupledExecutor
+    from gpuserve.engine.streaming.executor import DecoupledExecutor
     from gpuserve.engine.request import InferenceRequest
 
     async def main():

@@ -22,7 +22,7 @@ from gpuserve.engine.runners.batching import BatchingRunner
 from gpuserve.engine.runners.factory import BatchRelay, build_runner
 from gpuserve.engine.runners.streaming import StreamingRunner
 from gpuserve.engine.scheduling import SchedulerCore
-from gpuserve.engine.sequence import SequenceBatcher
+from gpuserve.engine.sequence.batcher import SequenceBatcher
 from gpuserve.errors import ConfigError, InvalidInputError
 
 

@@ -17,8 +17,8 @@ from gpuserve.engine.assembly import OutputSpec, split_outputs, stack_inputs
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.scheduling import InFlight, SchedulerCore
-from gpuserve.engine.sequence import SequenceBatch, SequenceBatcher
-from gpuserve.engine.sequence_layout import FillerRow
+from gpuserve.engine.sequence.batcher import SequenceBatch, SequenceBatcher
+from gpuserve.engine.sequence.layout import FillerRow
 from gpuserve.engine.stats import BatchStats
 from gpuserve.errors import BackendError, InvalidInputError, OverloadedError
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpuserve.backends.streaming import run_generator
-from gpuserve.engine.stream_buffer import BufferCore, Offer, ResponseChannel, StreamItem
+from gpuserve.engine.streaming.buffer import BufferCore, Offer, ResponseChannel, StreamItem
 from gpuserve.errors import BackendError, GpuserveError, InvalidInputError
 from tests.helpers import wait_until
 

@@ -9,7 +9,7 @@ by calling the backend's ``stream`` method::
 A backend that can serve several requests in one call (Triton's ``execute(requests)``, each
 request with its own response sender) also has ``stream_batch``, and ``streams_batches`` True;
 the engine uses it for a model with ``dynamic_batching`` and ``max_batch_size > 0`` (see
-:mod:`gpuserve.engine.decoupled_batching`)::
+:mod:`gpuserve.engine.streaming.batching`)::
 
     backend.stream_batch([StreamCall(inputs, sink), ...])   # one sink per request
 

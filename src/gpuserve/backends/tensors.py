@@ -4,7 +4,7 @@ to host.
 Inside the server a tensor may travel as a ``torch.Tensor`` on the device that produced it:
 an ensemble step whose backend gives tensors hands its output to a next step whose backend
 takes tensors on the same device, without a host round trip (see
-:mod:`gpuserve.engine.ensemble_handoff`). Everything else (clients, python and ONNX steps, the
+:mod:`gpuserve.engine.ensemble.handoff`). Everything else (clients, python and ONNX steps, the
 ensemble's final outputs) gets numpy arrays, converted by :func:`to_host` in one place.
 
 torch is imported only when a tensor is actually seen, so numpy-only paths never load it.

@@ -24,7 +24,7 @@ tensors onto the ensemble's tensors (Triton's ``ensemble_scheduling`` names)::
 producer (an ensemble input or one step output), every step input is produced, every ensemble
 output is produced and every ensemble input consumed, and the steps form a DAG. What needs the
 step models' own configurations (the names in the maps, datatypes, shapes, batch sizes) is
-checked when the ensemble loads (:mod:`gpuserve.engine.ensemble`).
+checked when the ensemble loads (:mod:`gpuserve.engine.ensemble.plan`).
 """
 
 from __future__ import annotations

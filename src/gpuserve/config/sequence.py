@@ -1,7 +1,7 @@
 """The ``sequence_batching`` section of a model's configuration: stateful models.
 
 A model with this section is served by the sequence batcher
-(:mod:`gpuserve.engine.sequence`) instead of the dynamic batcher. Names follow Triton's
+(:mod:`gpuserve.engine.sequence.batcher`) instead of the dynamic batcher. Names follow Triton's
 ``sequence_batching`` message; times carry their unit in the name, as in the rest of
 ``config.yaml`` (Triton's ``max_sequence_idle_microseconds`` is ``max_sequence_idle_us``)::
 
@@ -166,7 +166,7 @@ class DirectStrategy(_Section):
     """Triton's ``direct`` strategy: each instance has ``max_batch_size`` slots (one if the
     model does not batch); a sequence holds one slot for its life, and a batch is laid out by
     slot: row ``i`` is slot ``i``, up to the highest slot with a request waiting, a slot with
-    none being a filler row with READY false (see :mod:`gpuserve.engine.sequence_layout`).
+    none being a filler row with READY false (see :mod:`gpuserve.engine.sequence.layout`).
 
     Attributes:
         max_queue_delay_us: Longest a ready slot waits for other slots to fill, microseconds.

@@ -60,7 +60,7 @@ class Batcher(Protocol):
     """The queue and batch-formation policy a scheduling core drives (one per version).
 
     Implemented by :class:`DynamicBatcher` and by
-    :class:`~gpuserve.engine.sequence.SequenceBatcher`; each is built complete from the
+    :class:`~gpuserve.engine.sequence.batcher.SequenceBatcher`; each is built complete from the
     version's config and capabilities (token budget, padding, unpadded), nothing written
     afterwards but the adaptive policy's two live controls (``max_queue_delay_s``,
     ``row_cap``). Times are seconds on the core's clock.

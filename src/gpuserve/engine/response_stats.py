@@ -18,7 +18,7 @@ response, ``"1"`` every second one, and so on. Each index holds an
   the model's call returned (its clean-up), 0 when the call had already returned.
 
 Everything is recorded on the event loop thread (no locks); the durations come from the
-stream's injected clock (:class:`~gpuserve.engine.stream_buffer.ResponseChannel`), so this
+stream's injected clock (:class:`~gpuserve.engine.streaming.buffer.ResponseChannel`), so this
 module is pure and tested with fake times. The metrics layer reads :attr:`ResponseStats.totals`
 and the interval histogram at scrape time.
 """

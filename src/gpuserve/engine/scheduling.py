@@ -54,7 +54,7 @@ from gpuserve.engine.outcomes import Completion, Hung, Outcomes, Schedule
 from gpuserve.engine.padding import PaddingSpec
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.reshape import ReshapeSpec
-from gpuserve.engine.sequence import SequenceBatch, SequenceBatcher
+from gpuserve.engine.sequence.batcher import SequenceBatch, SequenceBatcher
 from gpuserve.engine.stats import ModelStats
 from gpuserve.errors import (
     BackendError,
@@ -122,7 +122,7 @@ class SchedulerCore(Generic[W]):
             tokens = default_batch_tokens(on_gpu)
         self.batcher: Batcher = (
             SequenceBatcher(config, lambda: self.instances, tokens)
-            if config.sequence_batching is not None  # a stateful model (engine/sequence.py)
+            if config.sequence_batching is not None  # a stateful model (engine/sequence/batcher.py)
             else DynamicBatcher.for_config(config, tokens, capabilities.unpadded)
         )
         #: Requests with a sequence id carry it per row (Triton models' correlation_id()).

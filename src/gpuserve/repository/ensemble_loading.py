@@ -4,7 +4,7 @@ An ensemble needs its step models: :func:`load_ensemble` waits for each step mod
 loading (all models load in parallel at start), loads one that is not loaded in ``explicit``
 mode (as Triton loads an ensemble's dependencies), and leaves one that loads on demand to the
 first request that needs it. Then it checks the ensemble against the configurations its steps
-are served with (:func:`~gpuserve.engine.ensemble.step_problems`) and attaches an
+are served with (:func:`~gpuserve.engine.ensemble.plan.step_problems`) and attaches an
 :class:`~gpuserve.engine.runners.ensemble.EnsembleRunner`. Any problem marks the version
 failed with a reason naming the file, the step, the field and the value.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpuserve.config import ModelConfig
-from gpuserve.engine.ensemble import step_problems
+from gpuserve.engine.ensemble.plan import step_problems
 from gpuserve.engine.runners.factory import build_ensemble_runner
 from gpuserve.errors import ConfigError, GpuserveError
 from gpuserve.repository.state import Model, ModelVersion, VersionState

@@ -9,9 +9,9 @@ each step's execution is counted in the step model's statistics. Intermediate te
 the process, handed from one step's response to the next step's request as they are (no
 encoding, no copy); where producer and consumers run on one device with backends that give
 and take tensors, they stay ``torch.Tensor`` on that device
-(:mod:`gpuserve.engine.ensemble_handoff`).
+(:mod:`gpuserve.engine.ensemble.handoff`).
 
-The decisions are :class:`~gpuserve.engine.ensemble.EnsembleRun`'s (which steps may start);
+The decisions are :class:`~gpuserve.engine.ensemble.plan.EnsembleRun`'s (which steps may start);
 this module only waits, on the event loop, with no task per request: every step future
 resolves through a done callback that starts the steps it unblocks. A step that fails (or
 times out after ``ensemble.step_timeout_s``) fails that request only, with the step's error
@@ -35,9 +35,9 @@ from gpuserve.backends import tensors as _tensors
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.assembly import HandoffRequest, request_rows
-from gpuserve.engine.ensemble import EnsemblePlan, EnsembleRun
-from gpuserve.engine.ensemble_handoff import HandoffDecision, host_inputs
-from gpuserve.engine.ensemble_stats import EnsembleStats, StepStats
+from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun
+from gpuserve.engine.ensemble.handoff import HandoffDecision, host_inputs
+from gpuserve.engine.ensemble.stats import EnsembleStats, StepStats
 from gpuserve.engine.request import (
     InferenceRequest,
     InferenceResponse,

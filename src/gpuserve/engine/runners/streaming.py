@@ -1,7 +1,7 @@
 """The streaming runner: decoupled models, each request answered by a stream of responses.
 
 The runner of a version with ``model_transaction_policy: {decoupled: true}``. It owns the
-version's instances and its :class:`~gpuserve.engine.decoupled.DecoupledExecutor` (built at
+version's instances and its :class:`~gpuserve.engine.streaming.executor.DecoupledExecutor` (built at
 load, with the stream batcher when the backends run batches of streams), and implements the
 :class:`~gpuserve.engine.runners.base.VersionRunner` contract:
 
@@ -25,11 +25,11 @@ from pathlib import Path
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.admission import AdmissionPool
-from gpuserve.engine.decoupled import DecoupledExecutor, StreamJob
+from gpuserve.engine.streaming.executor import DecoupledExecutor, StreamJob
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
 from gpuserve.engine.runners.base import ResponseStream, StreamedResponse, VersionRunner
-from gpuserve.engine.stream_buffer import StreamItem
+from gpuserve.engine.streaming.buffer import StreamItem
 from gpuserve.errors import InvalidInputError, UnavailableError
 
 

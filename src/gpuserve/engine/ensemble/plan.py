@@ -9,7 +9,7 @@ touches a scheduler: :mod:`gpuserve.engine.runners.ensemble` drives it on the ev
 
 Tensors are whatever the step models return, handed from step to step as they are: no copy,
 no encoding; a step output stays a ``torch.Tensor`` on its device where
-:mod:`gpuserve.engine.ensemble_handoff` says so. :func:`step_problems` runs at load, once the
+:mod:`gpuserve.engine.ensemble.handoff` says so. :func:`step_problems` runs at load, once the
 steps' served configurations are known.
 """
 

@@ -10,7 +10,7 @@ shapes share a batch (one shape key for all).
 
 :class:`StreamBatcher` is pure (no threads, no clock of its own; the executor passes ``now``,
 seconds on its monotonic clock), generic over the executor's job type so the engine's
-:class:`~gpuserve.engine.decoupled.StreamJob` and tests' fakes both fit::
+:class:`~gpuserve.engine.streaming.executor.StreamJob` and tests' fakes both fit::
 
     batcher.add(job, request, rows, now)     # admission (OverloadedError when full)
     ready = batcher.next_batch(now)          # when an instance is free: jobs or None

@@ -11,7 +11,7 @@ before it runs.
 
 **Batches of streams**: with ``dynamic_batching`` and ``max_batch_size > 0``, and backends that
 run several requests in one call (``streams_batches``: Triton's ``execute(requests)``), the
-queue is a :class:`~gpuserve.engine.decoupled_batching.StreamBatcher` (the dynamic batcher's
+queue is a :class:`~gpuserve.engine.streaming.batching.StreamBatcher` (the dynamic batcher's
 rules: rows up to ``max_batch_size``, ``max_queue_delay_us``, preferred sizes, queue timeouts,
 a timer for the delay) and a free instance gets a batch: ``backend.stream_batch([StreamCall(
 inputs, channel), ...])``, one channel per request. Each request keeps its own stream: its
@@ -22,7 +22,7 @@ each request is counted when its own stream ends. Back-pressure stays per reques
 a full buffer waits on that request's reader alone (so a model that sends every request's
 responses from one thread waits for the slowest reader; a thread per request does not).
 
-Each stream's responses pass through its :class:`~gpuserve.engine.stream_buffer.ResponseChannel`
+Each stream's responses pass through its :class:`~gpuserve.engine.streaming.buffer.ResponseChannel`
 (bounded: the model blocks while the client reads slowly). When the stream ends (final
 response taken, error, or cancel) the request is counted once in the version's statistics
 (one execution, its rows on success, its reason on failure) and its responses in
@@ -54,11 +54,11 @@ from gpuserve.backends.python import to_numpy_dict
 from gpuserve.backends.streaming import StreamCall
 from gpuserve.config import ModelConfig
 from gpuserve.engine.assembly import OutputSpec, check_sent
-from gpuserve.engine.decoupled_batching import StreamBatcher, batches_streams
+from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.response_stats import ResponseOutcome
 from gpuserve.engine.stats import BatchStats, ModelStats, RequestStats
-from gpuserve.engine.stream_buffer import ResponseChannel, StreamItem
+from gpuserve.engine.streaming.buffer import ResponseChannel, StreamItem
 from gpuserve.errors import (
     BackendError,
     GpuserveError,

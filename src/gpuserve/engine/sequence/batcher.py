@@ -10,7 +10,7 @@ every time is seconds on the caller's monotonic clock, so tests use a fake clock
 Rules (Triton's sequence batcher):
 
 * **Sequences**: a request names its sequence (``sequence_id``, ``sequence_start``,
-  ``sequence_end``; see :mod:`gpuserve.engine.sequence_tensors`). A START opens the sequence
+  ``sequence_end``; see :mod:`gpuserve.engine.sequence.tensors`). A START opens the sequence
   (a START for a live id restarts it: its state is reset when that request runs); a request
   without START for an id that is not live is refused (400 naming the id), as is a request
   with no id. After END has run the sequence is released.
@@ -26,7 +26,7 @@ Rules (Triton's sequence batcher):
   ``max_queue_delay_us`` unless ``minimum_slot_utilization`` of the slots are ready, and lays
   the batch out by slot (a model that batches): row ``i`` is slot ``i``, rows ``0..`` the
   highest ready slot, a slot without a request in this execution being a filler row with
-  READY false (:mod:`gpuserve.engine.sequence_layout`; its outputs are dropped, its state is
+  READY false (:mod:`gpuserve.engine.sequence.layout`; its outputs are dropped, its state is
   a dummy). ``oldest`` packs the oldest ready requests of up to ``max_batch_size`` sequences,
   sent when full, at a preferred batch size, or once the oldest waited
   ``max_queue_delay_us``. Only requests whose tensors have equal non-batch shapes share a
@@ -58,9 +58,9 @@ from gpuserve.config import ModelConfig
 from gpuserve.config.sequence import SequenceBatchingConfig
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.inflight import Worker
-from gpuserve.engine.sequence_layout import FillerRows, drop_fillers, slot_rows
-from gpuserve.engine.sequence_slots import Live, SequenceStats, SequenceTable
-from gpuserve.engine.sequence_tensors import (
+from gpuserve.engine.sequence.layout import FillerRows, drop_fillers, slot_rows
+from gpuserve.engine.sequence.slots import Live, SequenceStats, SequenceTable
+from gpuserve.engine.sequence.tensors import (
     SequenceFlags,
     SequenceId,
     check_corrid,
@@ -79,7 +79,7 @@ class SequenceBatch(Batch):
     """A batch of one lane: it must run on ``instance``.
 
     A ``direct`` batch's ``items`` are its rows in slot order, a
-    :class:`~gpuserve.engine.sequence_layout.FillerRow` at each slot below the highest that
+    :class:`~gpuserve.engine.sequence.layout.FillerRow` at each slot below the highest that
     has no request in it; :meth:`SequenceBatcher.ran` removes them once it has run.
 
     Attributes:
@@ -398,7 +398,7 @@ class SequenceBatcher:
     # -- sequences and slots -----------------------------------------------------------------
 
     def sequence_stats(self) -> SequenceStats:
-        """The counts now (see :class:`~gpuserve.engine.sequence_slots.SequenceStats`)."""
+        """The counts now (see :class:`~gpuserve.engine.sequence.slots.SequenceStats`)."""
         return self.table.snapshot()
 
     # -- batch formation ---------------------------------------------------------------------

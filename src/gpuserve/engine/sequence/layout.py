@@ -30,7 +30,7 @@ import numpy as np
 from gpuserve.config.sequence import ControlInput
 from gpuserve.engine.batch import BatchResult, Pending
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.sequence_tensors import SequenceFlags, control_array
+from gpuserve.engine.sequence.tensors import SequenceFlags, control_array
 
 __all__ = ["FillerRow", "FillerRows", "drop_fillers", "slot_rows"]
 

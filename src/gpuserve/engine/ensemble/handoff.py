@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuserve.backends import tensors as _tensors
-from gpuserve.engine.ensemble import EnsemblePlan
-from gpuserve.engine.ensemble_stats import StepStats
+from gpuserve.engine.ensemble.plan import EnsemblePlan
+from gpuserve.engine.ensemble.stats import StepStats
 from gpuserve.engine.runners.base import VersionRunner
 
 

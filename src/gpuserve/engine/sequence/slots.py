@@ -1,5 +1,5 @@
 """The open sequences of a sequence model and the slots they hold: pure bookkeeping for the
-sequence batcher (:mod:`gpuserve.engine.sequence`).
+sequence batcher (:mod:`gpuserve.engine.sequence.batcher`).
 
 A *lane* is one instance's set of slots (lane ``i`` runs on the ``i``-th instance). A sequence
 takes a free slot on the lane with the fewest open sequences when it opens, and keeps it until
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpuserve.engine.batch import Pending
-from gpuserve.engine.sequence_tensors import SequenceId
+from gpuserve.engine.sequence.tensors import SequenceId
 
 __all__ = ["Live", "SequenceStats", "SequenceTable"]
 
