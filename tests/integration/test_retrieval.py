@@ -57,7 +57,9 @@ def server(tmp_path_factory, folders):
     configs = {
         "ce": _hf("ce", "sequence-classification", folders["ce"])
         + "rerank: {max_documents: 64}\n",
-        "ce_strict": _hf("ce_strict", "sequence-classification", folders["ce"], ", truncation: false"),
+        "ce_strict": _hf(
+            "ce_strict", "sequence-classification", folders["ce"], ", truncation: false"
+        ),
         "cls": _hf("cls", "sequence-classification", folders["cls"]),
         "sp": _hf("sp", "sparse-embedding", folders["sp"], ", sparse_top_k: 64"),
         "minilm": (
@@ -209,7 +211,8 @@ def test_embed_sparse_equals_a_direct_splade_computation(server, folders):
         assert ids == sorted(ids) and 0 < len(ids) <= 64  # compact: the top-k non-zero terms
         np.testing.assert_allclose([t["value"] for t in terms], row[ids], atol=1e-4)
         top = np.sort(row)[::-1][: len(ids)]
-        np.testing.assert_allclose(sorted((t["value"] for t in terms), reverse=True), top, atol=1e-4)
+        kept = sorted((t["value"] for t in terms), reverse=True)
+        np.testing.assert_allclose(kept, top, atol=1e-4)
     single = post(server, "/embed_sparse", {"inputs": texts[0]})
     assert [t["index"] for t in single[0]] == [t["index"] for t in answer[0]]  # alone = batched
     np.testing.assert_allclose(

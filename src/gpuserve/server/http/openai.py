@@ -139,7 +139,8 @@ class OpenAIApi:
                 payload = encode_model_list(self._models())
             elif path.startswith(MODELS + "/"):
                 model = path[len(MODELS) + 1 :]
-                payload = encode_model(self.embeddings.model(model))
+                view = next((v for v in self._models() if v.id == model), None)
+                payload = encode_model(view or self.embeddings.model(model))
             else:
                 raise OpenAIHttpError(404, f"Invalid URL ({method} {path})")
         except Exception as err:
