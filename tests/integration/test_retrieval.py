@@ -233,6 +233,8 @@ def test_v2_keeps_working_for_every_kind(server, folders):
     np.testing.assert_allclose(logits, by_index(raw, "score"), atol=1e-5)
     single = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]}]}
     post(server, "/v2/models/cls/infer", single)
+    default = post(server, "/predict", {"inputs": "hi"})  # the classifier, not the reranker
+    assert {item["label"] for item in default} == {"negative", "neutral", "positive"}
     outs = post(server, "/v2/models/sp/infer", single)["outputs"]
     assert {o["name"]: o["shape"] for o in outs} == {
         "SPARSE_INDICES": [1, 64],

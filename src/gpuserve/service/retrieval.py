@@ -230,7 +230,7 @@ class RetrievalService:
 
     def resolve(self, kind: Kind, requested: str | None) -> str:
         """The model a call for ``kind`` goes to: ``requested``, or (None) the first by name
-        of those serving it.
+        of those serving it (for classification, of those that are not rerankers if any).
 
         Raises:
             ModelNotFoundError: the model does not exist or does not serve ``kind``, or
@@ -238,6 +238,9 @@ class RetrievalService:
         """
         serving = self.models(kind)
         if requested is None and serving:
+            if kind == "classification":  # a classifier before a reranker (one label)
+                plain = [n for n in serving if n not in self.models("rerank")]
+                return (plain or serving)[0]
             return serving[0]
         model = self.service.manager.models.get(requested or "")
         if model is not None:
