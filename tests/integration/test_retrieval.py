@@ -18,7 +18,12 @@ import pytest
 
 from tests.fixtures import rerank_gate
 from tests.fixtures.hf_models import minilm_dir
-from tests.fixtures.retrieval_models import write_classifier, write_cross_encoder, write_splade
+from tests.fixtures.retrieval_models import (
+    write_classifier,
+    write_cross_encoder,
+    write_onnx_pairs,
+    write_splade,
+)
 from tests.helpers import InProcessServer, wait_queue, wait_until
 
 MAX_LENGTH = 32
@@ -67,15 +72,31 @@ def server(tmp_path_factory, folders):
             f"huggingface: {{task: feature-extraction, model_dir: '{minilm_dir()}'}}\n"
         ),
         "gated": rerank_gate.CONFIG,
+        "ce_onnx": ONNX_CONFIG,
     }
     for name, config in configs.items():
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.yaml").write_text(config)
         (root / name / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
     (root / "gated" / "1" / "model.py").write_text(rerank_gate.MODEL)
+    write_onnx_pairs(folders["ce"], root / "ce_onnx" / "1")
     running = InProcessServer(root)
     yield running
     running.stop()
+
+
+ONNX_CONFIG = f"""
+backend: python
+max_batch_size: 8
+inputs:
+  - {{name: TEXT, datatype: BYTES, shape: [1]}}
+  - {{name: TEXT_PAIR, datatype: BYTES, shape: [1], optional: true}}
+outputs:
+  - {{name: LOGITS, datatype: FP32, shape: [1]}}
+instance_group: [{{kind: cpu}}]
+parameters: {{max_seq_len: {MAX_LENGTH}}}
+rerank: {{}}
+"""
 
 
 def post(server, path: str, body: dict, status: int = 200) -> object:
@@ -132,6 +153,9 @@ def test_rerank_equals_cross_encoder_single_batched_and_truncated(server, folder
     raw = post(server, "/rerank", {"query": QUERY, "texts": passages, "raw_scores": True})
     logits = hf_logits(folders["ce"], [QUERY] * len(passages), passages)[:, 0]
     np.testing.assert_allclose(by_index(raw, "score"), logits, atol=1e-4)
+    # the same weights exported to ONNX, served by the onnx backend behind a tokenising model
+    onnx = post(server, "/rerank", {"query": QUERY, "texts": passages, "model": "ce_onnx"})
+    np.testing.assert_allclose(by_index(onnx, "score"), expected, atol=1e-4)
 
 
 def test_the_query_is_kept_whole_where_it_fits(server, folders):
@@ -141,6 +165,8 @@ def test_the_query_is_kept_whole_where_it_fits(server, folders):
     halved = hf_logits(folders["ce"], [query], [LONG], truncation="longest_first")[0, 0]
     assert abs(answer[0]["score"] - kept) < 1e-4
     assert abs(kept - halved) > 1e-3  # the two truncations differ for this pair
+    body = {"query": query, "texts": [LONG], "raw_scores": True, "model": "ce_onnx"}
+    assert abs(post(server, "/rerank", body)[0]["score"] - kept) < 1e-4
     # a query longer than the limit: cut longest-first, as CrossEncoder does
     long_query = LONG + " " + LONG
     answer = post(server, "/rerank", {"query": long_query, "texts": ["x"], "raw_scores": True})
@@ -244,7 +270,7 @@ def test_v2_keeps_working_for_every_kind(server, folders):
 
 def test_v1_models_lists_every_kind(server):
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
-    assert {"ce", "ce_strict", "cls", "sp", "minilm", "gated"} <= set(ids)
+    assert {"ce", "ce_strict", "ce_onnx", "cls", "sp", "minilm", "gated"} <= set(ids)
 
 
 def test_embed_similarity_and_tokenize(server):
