@@ -128,12 +128,13 @@ class OnnxTextPairs(PythonModel):
     def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
         """TEXT (and TEXT_PAIR) BYTES [B, 1] -> the graph's int64 [B, L] feeds."""
         firsts = bounded_texts(self.truncator, decode_texts(inputs[self.text_input]))
+        encodings: list[Any]
         if self.pair_input is None or self.pair_input not in inputs:
             encodings = self.plain.encode_batch(firsts)
         else:
             seconds = bounded_texts(self.truncator, decode_texts(inputs[self.pair_input]))
             heads = self.plain.encode_batch(firsts, add_special_tokens=False)
-            encodings: list[Any] = [None] * len(firsts)
+            encodings = [None] * len(firsts)
             fits = [len(h.ids) + self.pair_specials < self.max_length for h in heads]
             for strategy, chosen in (("only_second", True), ("longest_first", False)):
                 rows = [i for i, f in enumerate(fits) if f is chosen]
