@@ -37,7 +37,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gpuserve.errors import InvalidInputError, ModelNotFoundError, UnavailableError
+from gpuserve.errors import (
+    GpuserveError,
+    InvalidInputError,
+    ModelNotFoundError,
+    UnavailableError,
+)
 from gpuserve.protocol import retrieval_codec as codec
 from gpuserve.protocol.limits import RequestLimits
 from gpuserve.protocol.openai_codec import EmbeddingsBody
@@ -54,7 +59,7 @@ from gpuserve.service.embedding_models import count_pool
 from gpuserve.service.embeddings import EmbeddingsService
 from gpuserve.service.inference import InferenceService
 from gpuserve.service.outcome import AccessRecord, log_access
-from gpuserve.service.retrieval import RetrievalService, RowsResult, TooManyRowsError
+from gpuserve.service.retrieval import KINDS, Kind, RetrievalService, RowsResult, TooManyRowsError
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 Header = tuple[bytes, bytes]
@@ -132,18 +137,16 @@ class RetrievalApi:
         """The endpoint ``POST /`` (or ``/models/{model}``) stands for."""
         if codec.is_similarity(document):
             return "/similarity"
-        kinds = (
-            ("/embed", "embedding"),
+        embedders = [view.id for view in self.embeddings.models()]
+        if (model is None and embedders) or model in embedders:
+            return "/embed"
+        routes: tuple[tuple[str, Kind], ...] = (
             ("/predict", "classification"),
             ("/rerank", "rerank"),
             ("/embed_sparse", "sparse"),
         )
-        for path, kind in kinds:
-            names = (
-                [v.id for v in self.embeddings.models()]
-                if kind == "embedding"
-                else self.retrieval.models(kind)  # type: ignore[arg-type]
-            )
+        for path, kind in routes:
+            names = self.retrieval.models(kind)
             if (model is None and names) or model in names:
                 return path
         what = f"model '{model}'" if model is not None else "no model"
@@ -160,7 +163,7 @@ class RetrievalApi:
         if path == "/predict":
             predict = codec.parse_predict(document)
             model = self.retrieval.resolve("classification", predict.model)
-            self._bound(model, len(predict.texts), "inputs")
+            self._bound(model, "classification", len(predict.texts), "inputs")
             result = await self.retrieval.run(
                 "classification", model, predict.texts, predict.pairs, probe
             )
@@ -181,7 +184,7 @@ class RetrievalApi:
         if path == "/embed_sparse":
             texts = codec.parse_texts(document)
             model = self.retrieval.resolve("sparse", texts.model)
-            self._bound(model, len(texts.texts), "inputs")
+            self._bound(model, "sparse", len(texts.texts), "inputs")
             result = await self.retrieval.run("sparse", model, texts.texts, None, probe)
             sparse = result.config.sparse
             assert sparse is not None
@@ -210,7 +213,7 @@ class RetrievalApi:
     ) -> tuple[np.ndarray, RowsResult]:
         """Raw or sigmoid scores of ``call``'s documents, in input order."""
         model = self.retrieval.resolve("rerank", call.model)
-        self._bound(model, len(call.documents), "documents")
+        self._bound(model, "rerank", len(call.documents), "documents")
         queries = [call.query] * len(call.documents)
         result = await self.retrieval.run("rerank", model, queries, call.documents, probe)
         section = result.config.rerank
@@ -219,15 +222,21 @@ class RetrievalApi:
         column = logits.reshape(logits.shape[0], -1)[:, section.score_index]
         return (column if call.raw_scores else codec.sigmoid(column)), result
 
-    def _bound(self, model: str, count: int, field: str) -> None:
-        """Refuse more rows than the model's section allows (when it is loaded)."""
+    def _bound(self, model: str, kind: Kind, count: int, field: str) -> None:
+        """Refuse more rows than the model's ``kind`` section allows (when it is loaded;
+        the first call of a model loaded on demand is bounded by the wire's limit)."""
         try:
             config = self.retrieval.config(model)
-        except Exception:  # not loaded yet: the first call loads it
+        except GpuserveError:
             return
-        section = config.rerank if field == "documents" else config.classification or config.sparse
-        limit = getattr(section, "max_documents" if field == "documents" else "max_inputs", None)
-        if isinstance(limit, int) and count > limit:
+        limit: int | None = None
+        if kind == "rerank" and config.rerank is not None:
+            limit = config.rerank.max_documents
+        elif kind == "classification" and config.classification is not None:
+            limit = config.classification.max_inputs
+        elif kind == "sparse" and config.sparse is not None:
+            limit = config.sparse.max_inputs
+        if limit is not None and count > limit:
             raise TooManyRowsError(
                 f"'{field}' has {count} items; model '{model}' takes at most {limit}", limit
             )
@@ -252,8 +261,7 @@ class RetrievalApi:
         model = call.model
         if model is None:
             serving = [v.id for v in self.embeddings.models()] or [
-                name for kind in ("rerank", "classification", "sparse")
-                for name in self.retrieval.models(kind)  # type: ignore[arg-type]
+                name for kind in KINDS for name in self.retrieval.models(kind)
             ]
             if not serving:
                 raise ModelNotFoundError("no model serves text")
