@@ -40,7 +40,7 @@ import numpy as np
 
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
-from gpuserve.errors import BackendError, GpuserveError, InvalidInputError, ModelNotFoundError
+from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
 from gpuserve.service.inference import Admission, InferenceService
 
 Kind = Literal["rerank", "classification", "sparse"]
@@ -388,7 +388,6 @@ def _assemble(
 __all__ = [
     "KINDS",
     "WINDOW",
-    "GpuserveError",
     "Kind",
     "RetrievalService",
     "RowsResult",
