@@ -56,13 +56,17 @@ def infer(server, model: str, texts: list[str]) -> dict[str, dict]:
 
 def test_config_is_completed_from_the_folder(server):
     config = httpx.get(f"{server.url}/v2/models/classifier/config/gpuserve").json()
-    assert [(t["name"], t["datatype"], t["shape"]) for t in config["inputs"]] == [
-        ("TEXT", "BYTES", [1])
+    assert [(t["name"], t["datatype"], t["shape"], t["optional"]) for t in config["inputs"]] == [
+        ("TEXT", "BYTES", [1], False),
+        ("TEXT_PAIR", "BYTES", [1], True),  # pairs: a cross-encoder's query and passage
     ]
     assert [(t["name"], t["datatype"], t["shape"]) for t in config["outputs"]] == [
         ("LOGITS", "FP32", [3]),
         ("LABEL", "BYTES", [1]),
     ]
+    # the classification section, filled in from config.json (id2label); no rerank: 3 labels
+    assert config["classification"]["labels"] == ["negative", "neutral", "positive"]
+    assert config["rerank"] is None
     meta = httpx.get(f"{server.url}/v2/models/minilm").json()
     assert meta["outputs"] == [{"name": "EMBEDDING", "datatype": "FP32", "shape": [-1, 384]}]
 

@@ -76,6 +76,15 @@ SAMPLES: dict[str, tuple[str, str, bytes, Any]] = {
         ("m", None, "config/gpuserve"),
     ),
     "ModelView('stats')": ("GET", "/v2/models/m/versions/1/stats", b"", ("m", "1", "stats")),
+    "Exact('/v2/rerank')": ("POST", "/v2/rerank", b"", None),
+    "Exact('/rerank')": ("POST", "/rerank", b"", None),
+    "Exact('/predict')": ("POST", "/predict", b"", None),
+    "Exact('/embed')": ("POST", "/embed", b"", None),
+    "Exact('/embed_sparse')": ("POST", "/embed_sparse", b"", None),
+    "Exact('/tokenize')": ("POST", "/tokenize", b"", None),
+    "Exact('/similarity')": ("POST", "/similarity", b"", None),
+    "Exact('/')": ("POST", "/", b"", None),
+    "Mount('/models')": ("POST", "/models/m", b"", ()),
 }
 
 

@@ -146,6 +146,29 @@ TokenCounter = Callable[[Sequence[str]], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
+class Token:
+    """One token of a tokenised text (TEI's ``/tokenize``).
+
+    Attributes:
+        id: The token id.
+        text: The token's string in the vocabulary.
+        special: A special token the tokenizer added (``[CLS]``, ``</s>``, ...).
+        start / stop: Its characters in the text (``text[start:stop]``), or None for a
+            special token.
+    """
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+#: A model's tokenizer: (texts, add_special_tokens) -> the tokens of each text, untruncated.
+TextTokenizer = Callable[[Sequence[str], bool], list[list[Token]]]
+
+
+@dataclass(frozen=True, slots=True)
 class Capabilities:
     """What one loaded backend can do, declared once after load (:meth:`Backend.capabilities`).
 
@@ -165,6 +188,7 @@ class Capabilities:
         admission: The per-request admission step (:meth:`Backend.admission`), or None.
         count_tokens: Counts the tokens of texts as the model would (the OpenAI route's usage
             and token budgets), or None.
+        tokenize: The model's tokenizer (TEI's ``/tokenize``; thread-safe), or None.
     """
 
     streams: bool = False
@@ -175,6 +199,7 @@ class Capabilities:
     gives_tensors: bool = False
     admission: AdmissionStep | None = None
     count_tokens: TokenCounter | None = None
+    tokenize: TextTokenizer | None = None
 
     @classmethod
     def common(cls, each: Sequence[Capabilities]) -> Capabilities:
@@ -194,6 +219,7 @@ class Capabilities:
             gives_tensors=all(c.gives_tensors for c in each),
             admission=first.admission,
             count_tokens=first.count_tokens,
+            tokenize=first.tokenize,
         )
 
 

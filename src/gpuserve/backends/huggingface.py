@@ -10,8 +10,16 @@ Tasks (``huggingface.task``) and their tensors; ``config.yaml`` may omit ``input
 ``outputs``, which are then filled in from ``config.json`` (see :meth:`complete_config`)::
 
     feature-extraction        TEXT BYTES [1] -> EMBEDDING FP32 [hidden_size]
-    sequence-classification   TEXT BYTES [1] -> LOGITS FP32 [num_labels], LABEL BYTES [1]
+    sequence-classification   TEXT BYTES [1] (+ TEXT_PAIR BYTES [1], optional)
+                                             -> LOGITS FP32 [num_labels], LABEL BYTES [1]
                                                 (PROBABILITIES FP32 [num_labels] if declared)
+    sparse-embedding          TEXT BYTES [1] -> SPARSE_INDICES INT64 [k], SPARSE_VALUES FP32 [k]
+
+Sequence classification with ``TEXT_PAIR`` scores pairs (a cross-encoder; see
+:mod:`gpuserve.backends.hf_text` for how a pair is truncated). Completion also fills in the
+retrieval sections (:mod:`gpuserve.config.retrieval`): ``classification`` with the folder's
+``id2label``, ``rerank`` for a classifier with one label, ``sparse`` for sparse embedding
+(``AutoModelForMaskedLM`` with SPLADE pooling, ``huggingface.sparse_top_k`` terms per text).
 
 Feature extraction is what sentence-transformers computes: the encoder's last hidden state,
 pooled (masked mean, or the first token) and optionally L2-normalised; with ``pooling: auto``
@@ -49,9 +57,18 @@ from typing import Any
 
 import numpy as np
 
-from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
+from gpuserve.backends import hf_text
+from gpuserve.backends.base import (
+    AdmissionStep,
+    Backend,
+    Capabilities,
+    LoadContext,
+    RowErrors,
+    Token,
+)
 from gpuserve.backends.optional import library_lock, require
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
+from gpuserve.config.retrieval import ClassificationConfig, RerankConfig, SparseConfig
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 from gpuserve.text.decode import decode_texts
 from gpuserve.text.truncation import (
@@ -65,13 +82,20 @@ logger = logging.getLogger(__name__)
 
 FEATURE_EXTRACTION = "feature-extraction"
 SEQUENCE_CLASSIFICATION = "sequence-classification"
+SPARSE_EMBEDDING = "sparse-embedding"
 TEXT_INPUT = "TEXT"
+PAIR_INPUT = "TEXT_PAIR"
 #: Output names each task offers; the first ones are what auto-completion declares.
 TASK_OUTPUTS = {
     FEATURE_EXTRACTION: ("EMBEDDING",),
     SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL", "PROBABILITIES"),
+    SPARSE_EMBEDDING: ("SPARSE_INDICES", "SPARSE_VALUES"),
 }
-_AUTO_OUTPUTS = {FEATURE_EXTRACTION: ("EMBEDDING",), SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL")}
+_AUTO_OUTPUTS = {
+    FEATURE_EXTRACTION: ("EMBEDDING",),
+    SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL"),
+    SPARSE_EMBEDDING: ("SPARSE_INDICES", "SPARSE_VALUES"),
+}
 #: ``config.json`` keys that hold the width of the hidden state, by model family.
 _HIDDEN_KEYS = ("hidden_size", "dim", "d_model", "n_embd")
 #: Tokenizers report this (``int(1e30)``) when the folder sets no ``model_max_length``.
@@ -87,6 +111,7 @@ _TRANSFORMERS_NAMES = (
     "AutoTokenizer",
     "AutoModel",
     "AutoModelForSequenceClassification",
+    "AutoModelForMaskedLM",
     "utils.logging",
 )
 
@@ -125,6 +150,7 @@ class FolderInfo:
     st_max_seq_length: int | None = None
     st_pooling: str | None = None
     st_normalize: bool = False
+    vocab_size: int | None = None
 
 
 def model_folder(config: ModelConfig, version_path: Path) -> Path:
@@ -183,11 +209,18 @@ def read_folder(path: Path) -> FolderInfo:
         st_max_seq_length=st_max,
         st_pooling=st_pooling,
         st_normalize=any(str(m.get("type", "")).endswith(".Normalize") for m in modules),
+        vocab_size=data.get("vocab_size") if isinstance(data.get("vocab_size"), int) else None,
     )
 
 
-def model_tensors(task: str, info: FolderInfo) -> dict[str, TensorSpec]:
+def model_tensors(task: str, info: FolderInfo, top_k: int = 256) -> dict[str, TensorSpec]:
     """Every output ``task`` can produce for this folder, by name."""
+    if task == SPARSE_EMBEDDING:
+        k = min(top_k, info.vocab_size) if info.vocab_size else top_k
+        return {
+            "SPARSE_INDICES": TensorSpec(name="SPARSE_INDICES", datatype="INT64", shape=[k]),
+            "SPARSE_VALUES": TensorSpec(name="SPARSE_VALUES", datatype="FP32", shape=[k]),
+        }
     if task == FEATURE_EXTRACTION:
         if info.hidden_size is None:
             return {}
@@ -222,14 +255,24 @@ def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
             f"(TEXT is [batch, 1]); use 1 or more, got {config.max_batch_size}"
         )
     info = read_folder(model_folder(config, version_path))
-    available = model_tensors(hf.task, info)
+    available = model_tensors(hf.task, info, hf.sparse_top_k)
     problems: list[str] = []
     inputs = list(config.inputs)
+    pairs = hf.task == SEQUENCE_CLASSIFICATION
     if not inputs:
         inputs = [TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])]
-    elif len(inputs) != 1 or inputs[0].datatype != "BYTES" or inputs[0].shape != [1]:
+        if pairs:
+            inputs.append(
+                TensorSpec(name=PAIR_INPUT, datatype="BYTES", shape=[1], optional=True)
+            )
+    elif (
+        len(inputs) > (2 if pairs else 1)
+        or any(s.datatype != "BYTES" or s.shape != [1] for s in inputs)
+        or (len(inputs) == 2 and not inputs[1].optional)
+    ):
         declared = ", ".join(_spec_text(s) for s in inputs)
-        problems.append(f"inputs: config declares [{declared}], the model takes [TEXT BYTES [1]]")
+        takes = "TEXT BYTES [1]" + (", TEXT_PAIR BYTES [1] optional" if pairs else "")
+        problems.append(f"inputs: config declares [{declared}], the model takes [{takes}]")
     outputs = list(config.outputs)
     if not outputs:
         if not available:
@@ -257,9 +300,37 @@ def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
             f"{config_path}: config.yaml disagrees with {info.path / 'config.json'}:\n  "
             + "\n  ".join(problems)
         )
-    if inputs == config.inputs and outputs == config.outputs:
-        return config
-    return config.model_copy(update={"inputs": inputs, "outputs": outputs})
+    update: dict[str, object] = {}
+    if inputs != config.inputs or outputs != config.outputs:
+        update = {"inputs": inputs, "outputs": outputs}
+    update.update(_retrieval_sections(config, info, inputs, outputs))
+    return config.model_copy(update=update) if update else config
+
+
+def _retrieval_sections(
+    config: ModelConfig, info: FolderInfo, inputs: list[TensorSpec], outputs: list[TensorSpec]
+) -> dict[str, object]:
+    """The ``classification``/``rerank``/``sparse`` sections completion fills in (those the
+    config leaves unset; see the module docstring)."""
+    task = config.huggingface.task
+    names = [t.name for t in outputs]
+    update: dict[str, object] = {}
+    text = inputs[0].name
+    pair = inputs[1].name if len(inputs) > 1 else None
+    if task == SEQUENCE_CLASSIFICATION and "LOGITS" in names:
+        if config.classification is None:
+            update["classification"] = ClassificationConfig(
+                text_input=text,
+                pair_input=pair,
+                output="LOGITS",
+                labels=info.labels,
+                multi_label=info.multi_label,
+            )
+        if config.rerank is None and pair is not None and len(info.labels) == 1:
+            update["rerank"] = RerankConfig(text_input=text, pair_input=pair, output="LOGITS")
+    if task == SPARSE_EMBEDDING and config.sparse is None:
+        update["sparse"] = SparseConfig(text_input=text)
+    return update
 
 
 @dataclass(slots=True)
@@ -287,6 +358,8 @@ class HuggingFaceBackend(Backend):
         self.task = FEATURE_EXTRACTION
         self.device: Any = None
         self.text_input = TEXT_INPUT
+        self.pair_input: str | None = None
+        self.top_k = 256
         self.output_names: list[str] = []
         self.max_length = _DEFAULT_MAX_LENGTH
         self.truncation = True
@@ -315,6 +388,8 @@ class HuggingFaceBackend(Backend):
         info = read_folder(model_folder(config, context.version_path))
         self.task = hf.task
         self.text_input = config.inputs[0].name
+        self.pair_input = config.inputs[1].name if len(config.inputs) > 1 else None
+        self.top_k = hf.sparse_top_k
         self.output_names = [spec.name for spec in config.outputs]
         self.labels = info.labels
         self.multi_label = info.multi_label
@@ -344,7 +419,17 @@ class HuggingFaceBackend(Backend):
             strict=not self.truncation,
             direction=getattr(self.tokenizer, "truncation_side", "right"),
         )
-        self._step = partial(admit_texts, self._truncator, name=self.text_input)
+        if self.pair_input is not None:
+            self._step = partial(
+                hf_text.admit_pairs,
+                self._truncator,
+                int(self.tokenizer.backend_tokenizer.num_special_tokens_to_add(True)),
+                not self.truncation,
+                name=self.text_input,
+                pair_name=self.pair_input,
+            )
+        else:
+            self._step = partial(admit_texts, self._truncator, name=self.text_input)
         self._input_names = list(self.tokenizer.model_input_names)
         self.device = torch.device(context.device)
         self.model = model.to(device=self.device, dtype=context.torch_dtype).eval()
@@ -379,6 +464,8 @@ class HuggingFaceBackend(Backend):
         errors: dict[int, InvalidInputError] = {}
         truncator = self._truncator
         assert truncator is not None, "the huggingface backend is not loaded"
+        if self.pair_input is not None and self.pair_input in inputs:
+            return self._preprocess_pairs(texts, decode_texts(inputs[self.pair_input]))
         if self.truncation:  # texts that did not go through admission: cut them too
             texts = bounded_texts(truncator, texts)
         else:  # rows over max_length (counted on a bounded prefix) fail alone
@@ -400,6 +487,41 @@ class HuggingFaceBackend(Backend):
             features = {k: v.pin_memory() for k, v in features.items()}
         return TokenBatch(features, errors)
 
+    def _preprocess_pairs(self, firsts: list[str], seconds: list[str]) -> TokenBatch:
+        """Tokenise pairs (see :mod:`gpuserve.backends.hf_text`); with ``truncation: false``
+        a pair over ``max_length`` fails alone."""
+        truncator = self._truncator
+        assert truncator is not None
+        errors: dict[int, InvalidInputError] = {}
+        firsts, seconds = bounded_texts(truncator, firsts), bounded_texts(truncator, seconds)
+        if not self.truncation:
+            single = truncator.specials
+            pair = int(self.tokenizer.num_special_tokens_to_add(pair=True))
+            a = [r.full or r.tokens for r in truncator.measure(firsts)]
+            b = [r.full or r.tokens for r in truncator.measure(seconds)]
+            for row, (x, y) in enumerate(zip(a, b, strict=True)):
+                if x - single + y - single + pair > self.max_length:
+                    errors[row] = InvalidInputError(
+                        f"inputs '{self.text_input}'/'{self.pair_input}' row {row}: the pair "
+                        f"has more than max_length {self.max_length} tokens (truncation is off)"
+                    )
+                    firsts[row], seconds[row] = "", ""
+        encoded = hf_text.encode_pairs(
+            self.tokenizer, firsts, seconds, self.max_length, self.padding
+        )
+        features = {k: v for k, v in encoded.items() if k in self._input_names}
+        if self._pin:
+            features = {k: v.pin_memory() for k, v in features.items()}
+        return TokenBatch(features, errors)
+
+    def tokenize(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[Token]]:
+        """The tokens of each text, untruncated (TEI's ``/tokenize``; the admission step's
+        thread-safe copy of the tokenizer)."""
+        truncator = self._truncator
+        if truncator is None:
+            raise BackendError("the huggingface backend is not loaded")
+        return hf_text.tokenize(truncator.tokenizer, list(texts), add_special_tokens)
+
     def admission(self) -> AdmissionStep | None:
         """The text tasks' admission step: tokens per row after truncation, long texts cut
         before tokenisation (with ``truncation: false``, a row over ``max_length`` fails its
@@ -413,6 +535,7 @@ class HuggingFaceBackend(Backend):
             gives_tensors=self.gives_tensors,
             admission=self._step,
             count_tokens=self.count_tokens,
+            tokenize=self.tokenize,
         )
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
@@ -438,6 +561,11 @@ class HuggingFaceBackend(Backend):
             out = self.model(**feeds)
             if self.task == SEQUENCE_CLASSIFICATION:
                 return DeviceResult(out.logits.float(), prepared.errors)
+            if self.task == SPARSE_EMBEDDING:
+                indices, weights = hf_text.splade(
+                    out.logits, feeds["attention_mask"], self.top_k
+                )
+                return DeviceResult((indices, weights), prepared.errors)
             hidden = out.last_hidden_state.float()
             if self.pooling == "cls":
                 pooled = hidden[:, 0]
@@ -449,8 +577,16 @@ class HuggingFaceBackend(Backend):
             return DeviceResult(pooled, prepared.errors)
 
     def postprocess(self, raw: DeviceResult) -> dict[str, np.ndarray]:
-        values = raw.values.cpu().numpy()
         result: dict[str, np.ndarray] = {}
+        if self.task == SPARSE_EMBEDDING:
+            indices, weights = raw.values
+            result = {
+                "SPARSE_INDICES": indices.cpu().numpy(),
+                "SPARSE_VALUES": weights.float().cpu().numpy(),
+            }
+            result = {k: v for k, v in result.items() if k in self.output_names}
+            return RowErrors(result, raw.errors) if raw.errors else result
+        values = raw.values.cpu().numpy()
         for name in self.output_names:
             if name in ("EMBEDDING", "LOGITS"):
                 result[name] = values
@@ -486,11 +622,11 @@ def _from_pretrained(transformers: Any, folder: str, task: str) -> tuple[Any, An
         raise ConfigError(f"{folder}: cannot load a tokenizer: {err}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(f"{folder}: no fast tokenizer (tokenizer.json) in the folder")
-    auto = (
-        transformers.AutoModel
-        if task == FEATURE_EXTRACTION
-        else transformers.AutoModelForSequenceClassification
-    )
+    auto = {
+        FEATURE_EXTRACTION: transformers.AutoModel,
+        SEQUENCE_CLASSIFICATION: transformers.AutoModelForSequenceClassification,
+        SPARSE_EMBEDDING: transformers.AutoModelForMaskedLM,
+    }[task]
     try:
         model = auto.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # see above

@@ -170,14 +170,16 @@ class PythonBackend(Backend):
 
     def capabilities(self) -> Capabilities:
         """The user's ``Model`` hooks, read once at load: ``admit`` (admission step),
-        ``generate`` (decoupled), ``count_tokens``, ``unpadded_batches``."""
+        ``generate`` (decoupled), ``count_tokens``, ``tokenize``, ``unpadded_batches``."""
         model = self.model
         count = getattr(model, "count_tokens", None)
+        tokenize = getattr(model, "tokenize", None)
         return Capabilities(
             streams=callable(getattr(model, "generate", None)),
             unpadded=bool(getattr(model, "unpadded_batches", False)),
             admission=self.admission(),
             count_tokens=count if callable(count) else None,
+            tokenize=tokenize if callable(tokenize) else None,
         )
 
     def warmup(self) -> None:

@@ -25,6 +25,12 @@ from pydantic import (
 from gpuserve.config.base import Strict as _Strict
 from gpuserve.config.base import check_dims
 from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
+from gpuserve.config.retrieval import (
+    ClassificationConfig,
+    RerankConfig,
+    SparseConfig,
+    retrieval_problem,
+)
 from gpuserve.config.ensemble import EnsembleConfig, graph_problem
 from gpuserve.config.keys import unknown_key_hint
 from gpuserve.config.padding import padding_problem
@@ -324,8 +330,11 @@ class HuggingFaceConfig(_Strict):
     """A local Hugging Face transformers folder (backend ``huggingface``).
 
     Attributes:
-        task: ``feature-extraction`` (pooled sentence embeddings, output ``EMBEDDING``) or
-            ``sequence-classification`` (outputs ``LOGITS``, ``PROBABILITIES``, ``LABEL``).
+        task: ``feature-extraction`` (pooled sentence embeddings, output ``EMBEDDING``),
+            ``sequence-classification`` (outputs ``LOGITS``, ``PROBABILITIES``, ``LABEL``;
+            an optional ``TEXT_PAIR`` input for pairs: a cross-encoder with one label is a
+            reranker) or ``sparse-embedding`` (a masked-LM model with SPLADE pooling,
+            outputs ``SPARSE_INDICES``, ``SPARSE_VALUES``).
         model_dir: Folder with ``config.json``, the weights and the tokenizer files; relative
             paths are relative to the version folder. None: the version folder itself.
         max_length: Longest tokenised input, tokens. None: ``max_seq_length`` of a
@@ -338,15 +347,19 @@ class HuggingFaceConfig(_Strict):
             ``auto`` (the sentence-transformers ``1_Pooling`` config if present, else mean).
         normalize: Feature extraction: L2-normalise embeddings. None: as the folder's
             sentence-transformers ``modules.json`` says (a ``Normalize`` module), else False.
+        sparse_top_k: Sparse embedding: terms kept per text (the largest weights).
     """
 
-    task: Literal["feature-extraction", "sequence-classification"] = "feature-extraction"
+    task: Literal["feature-extraction", "sequence-classification", "sparse-embedding"] = (
+        "feature-extraction"
+    )
     model_dir: str | None = None
     max_length: int | None = Field(default=None, ge=2, le=1_000_000)
     truncation: bool = True
     padding: Literal["longest", "max_length"] = "longest"
     pooling: Literal["auto", "mean", "cls"] = "auto"
     normalize: bool | None = None
+    sparse_top_k: int = Field(default=256, ge=1, le=1_000_000)
 
 
 class ModelConfig(_Strict):
@@ -385,6 +398,9 @@ class ModelConfig(_Strict):
         huggingface: Model folder and task (backend ``huggingface`` only).
         embedding: Serve it on the OpenAI embeddings API (see ``EmbeddingConfig``); None:
             only where automatic (huggingface ``feature-extraction``).
+        rerank / classification / sparse: Serve it on the rerank, classification or sparse
+            embedding APIs (see :mod:`gpuserve.config.retrieval`); automatic for the
+            huggingface backend's ``sequence-classification`` and ``sparse-embedding`` tasks.
         pinned: Never evicted to make room for another model (``--max-loaded-models``,
             ``--loaded-models-memory-bytes``) nor unloaded when idle; with
             ``--load-on-demand`` it is loaded at start.
@@ -424,6 +440,9 @@ class ModelConfig(_Strict):
     onnx: OnnxConfig = Field(default_factory=OnnxConfig)
     huggingface: HuggingFaceConfig = Field(default_factory=HuggingFaceConfig)
     embedding: EmbeddingConfig | None = None
+    rerank: RerankConfig | None = None
+    classification: ClassificationConfig | None = None
+    sparse: SparseConfig | None = None
     pinned: bool = False
     idle_unload_s: float | None = Field(default=None, ge=0)
     expected_memory_bytes: int | None = Field(default=None, ge=0)
@@ -498,6 +517,9 @@ class ModelConfig(_Strict):
             problem = embedding_problem(self, self.embedding)
             if problem is not None:
                 raise ValueError(problem)
+        problem = retrieval_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @field_validator("inputs", "outputs")

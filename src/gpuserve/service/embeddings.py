@@ -246,7 +246,7 @@ class EmbeddingsService:
             except ConfigError:
                 continue
             if spec is not None:
-                views.append(EmbeddingModelView(name, _created(mv.path)))
+                views.append(EmbeddingModelView(name, created(mv.path)))
         return views
 
     def model(self, name: str) -> EmbeddingModelView:
@@ -258,7 +258,7 @@ class EmbeddingsService:
         """
         self._require(name)
         mv = self.service.manager.version(name, None)
-        return EmbeddingModelView(name, _created(mv.path))
+        return EmbeddingModelView(name, created(mv.path))
 
     def _require(self, name: str) -> None:
         """Raise unless model ``name`` serves embeddings (per its current configuration; a
@@ -452,7 +452,8 @@ def _assemble(
     return out
 
 
-def _created(path: os.PathLike[str] | str) -> int:
+def created(path: os.PathLike[str] | str) -> int:
+    """When ``path`` (a version folder) last changed, Unix seconds (0 when unreadable)."""
     try:
         return int(os.stat(path).st_mtime)
     except OSError:

@@ -28,6 +28,10 @@ extensions):
     POST /v1/embeddings, GET /v1/models[/{m}] OpenAI-compatible embeddings (see
                                               gpuserve.server.http.openai; OpenAI's errors:
                                               any other /v1 path is OpenAI's 404, any method)
+    POST /v1/rerank, /v2/rerank               Cohere/Jina rerank; TEI's /rerank, /predict,
+    POST /rerank, /predict, /embed, ...       /embed, /embed_sparse, /tokenize, /similarity,
+                                              / and /models/{m} (see
+                                              gpuserve.server.http.retrieval_api)
 
 With an API token configured, every endpoint but the health checks, ``/metrics`` and
 ``/v2/openapi.json`` needs ``Authorization: Bearer <token>`` (401 without it; see
@@ -56,7 +60,7 @@ from gpuserve.config import ServerConfig
 from gpuserve.errors import GpuserveError, UnauthenticatedError
 from gpuserve.protocol.http_codec import HttpInferBody, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
-from gpuserve.server.http import extensions_api, generate, openai
+from gpuserve.server.http import extensions_api, generate, openai, retrieval_api
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository_api import RepositoryApi
@@ -133,6 +137,15 @@ class HttpApp:
         self.openai = openai.OpenAIApi(
             service, self.tokens, self.limits, self.redactor, config.access_log, self._spawn
         )
+        self.retrieval = retrieval_api.RetrievalApi(
+            service,
+            self.openai.embeddings,
+            self.limits,
+            self.redactor,
+            config.access_log,
+            self._spawn,
+        )
+        self.openai.rerank = self.retrieval.cohere  # POST /v1/rerank, under OpenAI's mount
         self._table = compile_routes(self.routes())
 
     def routes(self) -> list[Route]:
@@ -165,6 +178,11 @@ class HttpApp:
             Route(GET, ModelView("config"), self._model_config),  # ?format=gpuserve: ours
             Route(GET, ModelView("config/gpuserve"), self._gpuserve_config),
             Route(GET, ModelView("stats"), self._statistics),
+            # Retrieval: Cohere/Jina's rerank (also /v1/rerank, in the mount) and TEI's routes.
+            Route(POST, Exact("/v2/rerank"), self._cohere_rerank),
+            *(Route(POST, Exact(path), self._tei) for path in retrieval_api.TEI_PATHS),
+            Route(POST, Exact("/"), self._tei),
+            Route(POST, Mount("/models"), self._tei_model),
         ]
 
     # -- request handling ------------------------------------------------------------------
@@ -274,6 +292,18 @@ class HttpApp:
 
     def _openai(self, request: HttpRequest, method: str, _: Params) -> Answer:
         self.openai.handle(request, method)  # OpenAI's errors, auth included
+        return None
+
+    def _cohere_rerank(self, request: HttpRequest, method: str, params: Params) -> Answer:
+        self.retrieval.cohere(request, method, params)  # Cohere's errors
+        return None
+
+    def _tei(self, request: HttpRequest, method: str, params: Params) -> Answer:
+        self.retrieval.tei(request, method, params)  # TEI's errors
+        return None
+
+    def _tei_model(self, request: HttpRequest, method: str, params: Params) -> Answer:
+        self.retrieval.model_route(request, method, params)
         return None
 
     def _infer(self, request: HttpRequest, _method: str, _: Params) -> Answer:

