@@ -150,6 +150,9 @@ class TraceSettings:
         self._global["trace_mode"] = mode
         self._models: dict[str, dict[str, TraceValue]] = {}
         self._active: dict[str, _Trace] = {}  # model -> its sampler ("" = the server-wide one)
+        #: Whether any request may be traced: a plain attribute, read on the request path
+        #: (set with every change of the samplers).
+        self.active = False
         self._lock = threading.Lock()
         self._otel: TraceSink | None = None
         if mode == "opentelemetry":
@@ -223,7 +226,8 @@ class TraceSettings:
                 left=int(str(settings["trace_count"])),
                 sink=sink,
             )
-        engine_tracing.state.switch(self, bool(self._active))
+        self.active = bool(self._active)
+        engine_tracing.state.switch(self, self.active)
 
     def _file_path(self, given: str, where: str) -> Path:
         """Where ``trace_file`` ``given`` is written.
@@ -241,11 +245,6 @@ class TraceSettings:
                 f"directory (--trace-dir); give a name relative to it"
             )
         return path
-
-    @property
-    def active(self) -> bool:
-        """Whether any request may be traced (one attribute read on the request path)."""
-        return bool(self._active)
 
     def start(
         self,
@@ -294,6 +293,7 @@ class TraceSettings:
                 self._otel.shutdown()
                 self._otel = None
             self._active.clear()
+            self.active = False
             engine_tracing.state.switch(self, False)
 
 
