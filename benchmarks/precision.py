@@ -158,7 +158,9 @@ def _int8_matmul(m: int, k: int, n: int, np):
     quantize_file(folder / "fp32.onnx", folder / "int8.onnx", "blockwise")
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(folder / "int8.onnx"), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(folder / "int8.onnx"), options, providers=["CPUExecutionProvider"]
+    )
     x = np.random.randn(m, k).astype(np.float32)
     return lambda: session.run(None, {"x": x})
 
@@ -388,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
            "ratios": ratios, "efficiency": efficiency, "verdict": verdict}  # fmt: skip
     text = render(doc)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    base = args.out_dir / f"precision-{args.tag or ('quick' if args.quick else 'full')}-{stamp:%Y-%m-%d}"
+    base = (
+        args.out_dir
+        / f"precision-{args.tag or ('quick' if args.quick else 'full')}-{stamp:%Y-%m-%d}"
+    )
     base.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
     base.with_suffix(".md").write_text(text)
     print(text)

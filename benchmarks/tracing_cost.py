@@ -56,7 +56,7 @@ class Sink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 sink.bytes += len(self.rfile.read(int(self.headers.get("content-length", 0))))
                 self.send_response(200)
                 self.send_header("content-length", "0")

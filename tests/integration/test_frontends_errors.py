@@ -84,8 +84,7 @@ NEGATIVE = (
 TWO_BYTES = "input 'TEXT': shape [2, 1] needs 2 elements, got 1"
 #: Triton's words for too few BYTES elements, then the byte size.
 TOO_FEW = (
-    "expected 2 string elements for inference input 'TEXT' for model 'echo_bytes', got 1 "
-    "({} 5)"
+    "expected 2 string elements for inference input 'TEXT' for model 'echo_bytes', got 1 ({} 5)"
 )
 
 CASES = [

@@ -233,8 +233,8 @@ def test_a_changed_configuration_ends_the_back_off(tmp_path):
     refuses. Fixing ``config.yaml`` alone makes the next request try at once."""
     repo = tmp_path / "repo"
     picky = SMALL_PY.replace(
-        "        self.ident = int(context.parameters[\"ident\"])\n",
-        "        self.ident = int(context.parameters[\"ident\"])\n"
+        '        self.ident = int(context.parameters["ident"])\n',
+        '        self.ident = int(context.parameters["ident"])\n'
         "        if self.ident < 0:\n"
         "            raise ValueError(f'ident {self.ident} must be >= 0')\n",
     )

@@ -55,7 +55,10 @@ def write_mlp(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("onnx_int8")
-    for name, extra in (("mlp_int8", ""), ("mlp_tight", "precision_check: {min_cosine: 0.9999999}\n")):
+    for name, extra in (
+        ("mlp_int8", ""),
+        ("mlp_tight", "precision_check: {min_cosine: 0.9999999}\n"),
+    ):
         write_mlp(root / name / "1")
         (root / name / "config.yaml").write_text(CONFIG + extra)
     return root
@@ -73,7 +76,9 @@ def client(repo):
 
 def test_int8_graph_serves_close_to_fp32(client):
     x = RNG.standard_normal((5, 64)).astype(np.float32)
-    body = {"inputs": [{"name": "x", "shape": [5, 64], "datatype": "FP32", "data": x.ravel().tolist()}]}
+    body = {
+        "inputs": [{"name": "x", "shape": [5, 64], "datatype": "FP32", "data": x.ravel().tolist()}]
+    }
     response = client.post("/v2/models/mlp_int8/infer", json=body)
     assert response.status_code == 200, response.text
     got = np.asarray(response.json()["outputs"][0]["data"], dtype=np.float32).reshape(5, 16)

@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (opentelemetry-sdk)")
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from tests.fixtures.ensemble_models import (  # noqa: E402
+from tests.fixtures.ensemble_models import (
     BLS_GPUSERVE,
     BLS_TRITON,
     PIPELINE,
@@ -37,7 +37,7 @@ from tests.fixtures.ensemble_models import (  # noqa: E402
     write_model,
     write_steps,
 )
-from tests.helpers import InProcessServer  # noqa: E402
+from tests.helpers import InProcessServer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -54,7 +54,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)

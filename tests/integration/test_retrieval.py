@@ -60,8 +60,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def server(tmp_path_factory, folders):
     root = tmp_path_factory.mktemp("retrieval_repository")
     configs = {
-        "ce": _hf("ce", "sequence-classification", folders["ce"])
-        + "rerank: {max_documents: 64}\n",
+        "ce": _hf("ce", "sequence-classification", folders["ce"]) + "rerank: {max_documents: 64}\n",
         "ce_strict": _hf(
             "ce_strict", "sequence-classification", folders["ce"], ", truncation: false"
         ),
@@ -186,9 +185,7 @@ def test_predict_equals_the_transformers_pipeline(server, folders):
     assert len(batch) == len(texts)
     for got, want in zip(batch, expected, strict=True):
         assert [g["label"] for g in got] == [w["label"] for w in want]  # best first
-        np.testing.assert_allclose(
-            [g["score"] for g in got], [w["score"] for w in want], atol=1e-4
-        )
+        np.testing.assert_allclose([g["score"] for g in got], [w["score"] for w in want], atol=1e-4)
     single = post(server, "/predict", {"inputs": PASSAGES[0], "model": "cls"})
     assert isinstance(single, list) and {"label", "score"} <= set(single[0])
     np.testing.assert_allclose(

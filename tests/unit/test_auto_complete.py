@@ -82,10 +82,15 @@ def test_optional_cannot_be_flipped():
 @pytest.mark.parametrize(
     ("tensor", "text"),
     [
-        ({"name": "I", "dims": [1]}, "input 'I' in auto-complete-config function for model 'm' "
-         "is missing 'data_type' property."),
-        ({"data_type": "TYPE_INT32", "dims": [1]}, "input in auto-complete-config function for "
-         "model 'm' is missing 'name' property."),
+        (
+            {"name": "I", "dims": [1]},
+            "input 'I' in auto-complete-config function for model 'm' "
+            "is missing 'data_type' property.",
+        ),
+        (
+            {"data_type": "TYPE_INT32", "dims": [1]},
+            "input in auto-complete-config function for model 'm' is missing 'name' property.",
+        ),
         ({"name": "I", **INT32_16, "format": "FORMAT_NCHW"}, "contains property other than"),
     ],
 )
@@ -122,7 +127,7 @@ def test_transaction_policy_takes_decoupled_only_and_never_flips_it():
 
 # -- the backend runs the hook at load -----------------------------------------------------
 
-TRITON_MODEL = '''
+TRITON_MODEL = """
 import triton_python_backend_utils as pb_utils
 
 
@@ -134,7 +139,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return []
-'''
+"""
 
 COMPLETES = """config = auto_complete_model_config
         int32 = {"data_type": "TYPE_INT32", "dims": [16]}
@@ -218,8 +223,10 @@ def test_with_auto_complete_off_the_hook_does_not_run(tmp_path):
     version, config = _triton_model(tmp_path, 'backend: "python"\n')
     with pytest.raises(ConfigError) as info:
         PythonModelBackend.complete_config(config, version, auto_complete=False)
-    assert "model 'm' declares no inputs and no outputs, and auto-complete is off on this " \
+    assert (
+        "model 'm' declares no inputs and no outputs, and auto-complete is off on this "
         "server (--disable-auto-complete-config)" in info.value.message
+    )
 
 
 # -- gpuserve's Model.complete_config ------------------------------------------------------

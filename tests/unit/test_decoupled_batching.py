@@ -13,8 +13,8 @@ from gpuserve.backends.streaming import StreamCall
 from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.config import ModelConfig
-from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
 from gpuserve.engine.request import InferenceRequest
+from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
 from gpuserve.errors import InvalidInputError, OverloadedError
 from gpuserve.repository.triton_config import load_triton_config
 from tests.unit.test_decoupled_backend import Sink, loaded

@@ -30,8 +30,8 @@ from gpuserve.engine.assembly import (
     wants_tensors,
 )
 from gpuserve.engine.batch import Pending
-from gpuserve.engine.ensemble.plan import EnsemblePlan
 from gpuserve.engine.ensemble.handoff import StepPlacement, kept_outputs, placement_of
+from gpuserve.engine.ensemble.plan import EnsemblePlan
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.engine.runners.ensemble import EnsembleRunner

@@ -13,7 +13,10 @@ def test_histogram_exposition_equals_prometheus_client():
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     mine = LoopHistogram("lat_seconds", "Latency.", ("model", "version"), LATENCY_BUCKETS_S, ours)
     ref = Histogram(
-        "lat_seconds", "Latency.", ("model", "version"), buckets=LATENCY_BUCKETS_S,
+        "lat_seconds",
+        "Latency.",
+        ("model", "version"),
+        buckets=LATENCY_BUCKETS_S,
         registry=theirs,
     )
     for i, value in enumerate(VALUES):

@@ -112,8 +112,13 @@ def test_accuracy_budget_parsing_and_verdicts():
     assert budget == AccuracyBudget(min_cosine=0.99, min_recall=0.95)
     assert budget.precision_check() == {"min_cosine": 0.99, "min_neighbour_recall": 0.95}
     assert parse_accuracy_budget("abs=0.01").max_abs_error == 0.01
-    for bad, match in (("cos=0.9", "expected cosine=X"), ("cosine=high", "not a number"),
-                       ("recall=2", r"\[-1, 1\]"), ("abs=-1", ">= 0"), ("", "no bound")):
+    for bad, match in (
+        ("cos=0.9", "expected cosine=X"),
+        ("cosine=high", "not a number"),
+        ("recall=2", r"\[-1, 1\]"),
+        ("abs=-1", ">= 0"),
+        ("", "no bound"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_accuracy_budget(bad)
     rows = unit_rows(np.random.default_rng(4), 20, 8)

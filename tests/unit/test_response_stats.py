@@ -223,8 +223,8 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns():
-    from gpuserve.engine.streaming.executor import DecoupledExecutor
     from gpuserve.engine.request import InferenceRequest
+    from gpuserve.engine.streaming.executor import DecoupledExecutor
 
     async def main():
         clock = Clock()
@@ -257,8 +257,8 @@ def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns(
 
 
 def test_a_request_that_never_ran_counts_no_response():
-    from gpuserve.engine.streaming.executor import DecoupledExecutor
     from gpuserve.engine.request import InferenceRequest
+    from gpuserve.engine.streaming.executor import DecoupledExecutor
 
     async def main():
         clock = Clock()

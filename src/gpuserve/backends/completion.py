@@ -66,10 +66,7 @@ def check_completion(before: ModelConfig, after: Any, where: Path, hook: str) ->
             f"{where}: {hook} may only change {', '.join(sorted(COMPLETABLE))}; it changed "
             f"{', '.join(changed)} (from {old[changed[0]]!r} to {new[changed[0]]!r})"
         )
-    if (
-        "max_batch_size" in before.model_fields_set
-        and after.max_batch_size < before.max_batch_size
-    ):
+    if "max_batch_size" in before.model_fields_set and after.max_batch_size < before.max_batch_size:
         raise ConfigError(
             f"{where}: {hook} set max_batch_size {after.max_batch_size}, below the configured "
             f"max_batch_size {before.max_batch_size}"

@@ -262,9 +262,7 @@ def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
     if not inputs:
         inputs = [TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])]
         if pairs:
-            inputs.append(
-                TensorSpec(name=PAIR_INPUT, datatype="BYTES", shape=[1], optional=True)
-            )
+            inputs.append(TensorSpec(name=PAIR_INPUT, datatype="BYTES", shape=[1], optional=True))
     elif (
         len(inputs) > (2 if pairs else 1)
         or any(s.datatype != "BYTES" or s.shape != [1] for s in inputs)
@@ -562,9 +560,7 @@ class HuggingFaceBackend(Backend):
             if self.task == SEQUENCE_CLASSIFICATION:
                 return DeviceResult(out.logits.float(), prepared.errors)
             if self.task == SPARSE_EMBEDDING:
-                indices, weights = hf_text.splade(
-                    out.logits, feeds["attention_mask"], self.top_k
-                )
+                indices, weights = hf_text.splade(out.logits, feeds["attention_mask"], self.top_k)
                 return DeviceResult((indices, weights), prepared.errors)
             hidden = out.last_hidden_state.float()
             if self.pooling == "cls":

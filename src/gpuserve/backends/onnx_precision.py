@@ -73,15 +73,15 @@ def reference_inputs(config: ModelConfig, version_path: Path) -> tuple[dict[str,
                 "needs precision_check.reference_file (an .npz file of reference rows) for a "
                 "model with non-floating-point inputs"
             )
-        dims = [8 if d < 0 else d for d in (spec.reshape if spec.reshape is not None else spec.shape)]
+        dims = [
+            8 if d < 0 else d for d in (spec.reshape if spec.reshape is not None else spec.shape)
+        ]
         rows = [REFERENCE_ROWS] if config.max_batch_size > 0 else []
         arrays[spec.name] = rng.standard_normal(rows + dims).astype(dtype)
     return arrays, f"{REFERENCE_ROWS} seeded random rows"
 
 
-def check_int8(
-    fp32: Any, int8: Any, config: ModelConfig, version_path: Path
-) -> None:
+def check_int8(fp32: Any, int8: Any, config: ModelConfig, version_path: Path) -> None:
     """Hold the int8 session to the bounds against the fp32 session, output by output.
 
     Raises:
@@ -139,5 +139,7 @@ def _warn_if_unchanged(path: Path, config: ModelConfig, scheme: str) -> None:
             "model %s: int8_scheme %s quantised no node of this graph (it runs fp32)%s",
             config.name,
             scheme,
-            "; blockwise quantises MatMul only: try int8_scheme dynamic" if scheme == "blockwise" else "",
+            "; blockwise quantises MatMul only: try int8_scheme dynamic"
+            if scheme == "blockwise"
+            else "",
         )

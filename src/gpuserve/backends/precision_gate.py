@@ -110,9 +110,7 @@ def gate_problem(report: AccuracyReport, bounds: PrecisionCheckConfig) -> str | 
     bound like 0.9999999 never reads as "1" beside a measured "0.9999"."""
     broken = []
     if report.cosine_min < bounds.min_cosine:
-        broken.append(
-            f"min cosine {report.cosine_min:.6f} < min_cosine {bounds.min_cosine!r}"
-        )
+        broken.append(f"min cosine {report.cosine_min:.6f} < min_cosine {bounds.min_cosine!r}")
     if report.max_abs_error > bounds.max_abs_error:
         broken.append(
             f"max abs error {report.max_abs_error:.6f} > max_abs_error {bounds.max_abs_error!r}"

@@ -211,10 +211,14 @@ def speed_accuracy(result: TuneResult) -> list[dict[str, Any]]:
             {
                 "precision": precision,
                 "rows_per_s": max(scores, default=0.0),
-                "cosine_min": report.cosine_min if report else (1.0 if precision == "fp32" else None),
+                "cosine_min": report.cosine_min
+                if report
+                else (1.0 if precision == "fp32" else None),
                 "cosine_mean": report.cosine_mean if report else None,
                 "max_abs_error": report.max_abs_error if report else None,
-                "recall_at_10": report.recall_at_k if report else (1.0 if precision == "fp32" else None),
+                "recall_at_10": report.recall_at_k
+                if report
+                else (1.0 if precision == "fp32" else None),
                 "status": result.excluded.get(precision, "within budget"),
             }
         )

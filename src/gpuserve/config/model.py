@@ -25,17 +25,17 @@ from pydantic import (
 from gpuserve.config.base import Strict as _Strict
 from gpuserve.config.base import check_dims
 from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
+from gpuserve.config.ensemble import EnsembleConfig, graph_problem
+from gpuserve.config.keys import unknown_key_hint
+from gpuserve.config.padding import padding_problem
+from gpuserve.config.precision import PrecisionCheckConfig
+from gpuserve.config.reshape import check_reshape_dims, refused_with, reshapes
 from gpuserve.config.retrieval import (
     ClassificationConfig,
     RerankConfig,
     SparseConfig,
     retrieval_problem,
 )
-from gpuserve.config.ensemble import EnsembleConfig, graph_problem
-from gpuserve.config.keys import unknown_key_hint
-from gpuserve.config.padding import padding_problem
-from gpuserve.config.precision import PrecisionCheckConfig
-from gpuserve.config.reshape import check_reshape_dims, refused_with, reshapes
 from gpuserve.config.sequence import SequenceBatchingConfig, sequence_problem
 from gpuserve.config.warmup import WarmupSample, WarmupTarget, warmup_problem
 from gpuserve.datatypes import Datatype

@@ -140,9 +140,7 @@ def retrieval_problem(config: ModelConfig) -> str | None:
         if config.inputs:
             checks.append(_input_problem(config, "classification", classes.text_input, False))
             if classes.pair_input is not None:
-                checks.append(
-                    _input_problem(config, "classification", classes.pair_input, True)
-                )
+                checks.append(_input_problem(config, "classification", classes.pair_input, True))
         if config.outputs:
             checks.append(
                 _output_problem(config, "classification", classes.output, ("FP32", "FP16"))

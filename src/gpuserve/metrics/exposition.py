@@ -118,7 +118,7 @@ def metrics_app(registry: Collector) -> Callable[..., Iterable[bytes]]:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+    def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (one line per scrape every few seconds is noise)."""
 
 

@@ -55,7 +55,11 @@ def embed_all(embedder: SentenceEmbedder, texts: list[str], batch: int = 32) -> 
 
 
 def measure(
-    candidate: SentenceEmbedder, reference: SentenceEmbedder, texts: list[str], precision: str, k: int
+    candidate: SentenceEmbedder,
+    reference: SentenceEmbedder,
+    texts: list[str],
+    precision: str,
+    k: int,
 ) -> AccuracyReport:
     """``candidate`` (at ``precision``) against ``reference`` (fp32) on ``texts``."""
     return compare(precision, embed_all(candidate, texts), embed_all(reference, texts), k)

@@ -177,6 +177,17 @@ class OnDemand:
 
     # -- loading and evicting ----------------------------------------------------------------
 
+    def _decide(self, name: str, entry: ModelEntry, now_s: float) -> demand.Verdict:
+        """What the pure core says of loading ``name`` (read as ``entry``) now."""
+        return demand.decide(
+            name,
+            self.residents(),
+            self.expected_memory(name, entry),
+            self.limits,
+            self.holding(entry),
+            now_s,
+        )
+
     async def _load(self, name: str) -> None:
         loop = asyncio.get_running_loop()
         retry = self.manager._executor.retry
@@ -188,17 +199,8 @@ class OnDemand:
             # answered at once, not after the load of another model that holds the lock (the
             # folder as read now is the one the load uses)
             entry = await loop.run_in_executor(None, read_model, model.path, None)
-            def decide() -> demand.Verdict:
-                return demand.decide(
-                    name,
-                    self.residents(),
-                    self.expected_memory(name, entry),
-                    self.limits,
-                    self.holding(entry),
-                    retry.clock(),
-                )
 
-            early = decide()
+            early = self._decide(name, entry, retry.clock())
             if early.action == "refuse":
                 self._refuse(name, early)
             async with self._lock:
@@ -210,7 +212,7 @@ class OnDemand:
                     or self.manager.shutting_down
                 ):
                     return
-                verdict = decide()
+                verdict = self._decide(name, entry, retry.clock())
                 if verdict.action == "refuse":
                     self._refuse(name, verdict)
                 if verdict.action == "load":

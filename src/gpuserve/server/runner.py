@@ -30,8 +30,8 @@ from gpuserve.server import logs
 from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
 from gpuserve.server.http.listener import HttpListener
-from gpuserve.server.startup import StartupError, listeners, port_error, repository_problem
 from gpuserve.server.security import open_management_warning
+from gpuserve.server.startup import StartupError, listeners, port_error, repository_problem
 from gpuserve.service.inference import InferenceService
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ import re
 from pathlib import Path
 
 from gpuserve.config import ServerConfig
-
 from gpuserve.service.auth import Headers, Tokens, bearer_token
 from gpuserve.service.names import check_model_name, check_override_paths, check_version_label
 
@@ -35,10 +34,10 @@ __all__ = [
     "Redactor",
     "Tokens",
     "bearer_token",
-    "open_management_warning",
     "check_model_name",
     "check_override_paths",
     "check_version_label",
+    "open_management_warning",
 ]
 
 #: Endpoints open without the API token (health probes, metrics, the API's description).

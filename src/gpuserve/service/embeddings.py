@@ -178,15 +178,15 @@ def split_rows(call: EmbeddingCall, max_rows: int) -> list[list[int]]:
         by_length: dict[int, list[int]] = {}
         for index, ids in enumerate(call.token_ids):
             by_length.setdefault(len(ids), []).append(index)
-        return [chunk for group in by_length.values() for chunk in _cut(group, per)]
+        return [chunk for group in by_length.values() for chunk in even_chunks(group, per)]
     texts = call.texts or ()
     order = list(range(len(texts)))
     if len(order) > per:
         order.sort(key=lambda index: len(texts[index]))
-    return _cut(order, per)
+    return even_chunks(order, per)
 
 
-def _cut(rows: list[int], per: int) -> list[list[int]]:
+def even_chunks(rows: list[int], per: int) -> list[list[int]]:
     """``rows`` in ceil(len/per) consecutive chunks whose sizes differ by at most one."""
     count = -(-len(rows) // per)
     if count <= 1:
@@ -200,8 +200,9 @@ def _cut(rows: list[int], per: int) -> list[list[int]]:
     return chunks
 
 
-class _Call:
-    """The state one call's chunks share: failing it drops its queued chunks."""
+class CallState:
+    """The state one call's chunks share: failing it drops its queued chunks (the
+    ``probe`` each chunk's request carries)."""
 
     __slots__ = ("failed", "is_cancelled")
 
@@ -291,7 +292,7 @@ class EmbeddingsService:
         except GpuserveError as err:
             self.service.record_unrouted(call.model, None, err.reason)
             raise
-        state = _Call(is_cancelled)
+        state = CallState(is_cancelled)
         chunks = split_rows(call, self._max_rows(call.model))
         admissions: list[Admission] = []
         futures: list[asyncio.Future[InferenceResponse]] = []
@@ -353,7 +354,7 @@ class EmbeddingsService:
         return max(1, min(sizes)) if sizes else 1
 
     @staticmethod
-    def _abandon(state: _Call, futures: list[asyncio.Future[InferenceResponse]]) -> None:
+    def _abandon(state: CallState, futures: list[asyncio.Future[InferenceResponse]]) -> None:
         state.failed = True  # queued chunks are dropped when their batch forms
         for future in futures:
             future.add_done_callback(_retrieve)

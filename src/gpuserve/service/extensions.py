@@ -15,7 +15,6 @@ classification, and the server metadata that lists what is on.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from dataclasses import replace
 

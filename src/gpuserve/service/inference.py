@@ -49,7 +49,6 @@ from gpuserve.config import ModelConfig, ServerConfig
 from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, end_trace_with
 from gpuserve.engine.runners.base import ResponseStream, VersionRunner
-from gpuserve.service.tracing import TracedStream
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import GpuserveError, UnavailableError
 from gpuserve.metrics import ServerMetrics
@@ -59,6 +58,7 @@ from gpuserve.repository.manager import ModelManager
 from gpuserve.service.commands import RepositoryCommands
 from gpuserve.service.extensions import Extensions, ExtensionViews
 from gpuserve.service.names import check_version_label
+from gpuserve.service.tracing import TracedStream
 
 
 class WireRequest(Protocol):

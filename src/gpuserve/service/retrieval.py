@@ -41,6 +41,7 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
+from gpuserve.service.embeddings import CallState, even_chunks
 from gpuserve.service.inference import Admission, InferenceService
 
 Kind = Literal["rerank", "classification", "sparse"]
@@ -168,27 +169,8 @@ class RowsWire:
 def chunk_rows(lengths: Sequence[int], per: int) -> list[list[int]]:
     """Row indices ordered by ``lengths`` and cut into chunks of at most ``per`` (at least
     1) rows whose sizes differ by at most one; every index appears once."""
-    per = max(1, per)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    count = -(-len(order) // per) or 1
-    size, extra = divmod(len(order), count)
-    chunks, start = [], 0
-    for index in range(count):
-        stop = start + size + (1 if index < extra else 0)
-        chunks.append(order[start:stop])
-        start = stop
-    return chunks
-
-
-class _State:
-    __slots__ = ("failed", "is_cancelled")
-
-    def __init__(self, is_cancelled: Callable[[], bool] | None) -> None:
-        self.failed = False
-        self.is_cancelled = is_cancelled
-
-    def probe(self) -> bool:
-        return self.failed or (self.is_cancelled is not None and self.is_cancelled())
+    return even_chunks(order, max(1, per))
 
 
 def _retrieve(future: asyncio.Future[InferenceResponse]) -> None:
@@ -289,7 +271,7 @@ class RetrievalService:
         if pairs is not None:
             lengths = [n + len(p) for n, p in zip(lengths, pairs, strict=True)]
         chunks = chunk_rows(lengths, self._max_rows(model))
-        state = _State(is_cancelled)
+        state = CallState(is_cancelled)
         admissions: list[Admission] = []
         responses: list[InferenceResponse | None] = [None] * len(chunks)
         pending: deque[tuple[int, asyncio.Future[InferenceResponse]]] = deque()

@@ -229,9 +229,7 @@ class Views:
                 view with the reason).
         """
         check_version_label(name, version)
-        if self.manager.cold(name) and (
-            not version or self._version_folder(name, version)
-        ):
+        if self.manager.cold(name) and (not version or self._version_folder(name, version)):
             why = self.manager.on_demand.ready_reason(name)
             return ReadyView(why is None, why)
         try:

@@ -86,7 +86,7 @@ class ModelConfig:
                 )
         self._config.setdefault("dynamic_batching", {})
 
-    def add_input(self, input: dict[str, Any]) -> None:  # noqa: A002 - Triton's name
+    def add_input(self, input: dict[str, Any]) -> None:
         """Declare an input: ``name``, ``data_type`` (``TYPE_*``), ``dims`` (without the batch
         dimension) and optionally ``optional``.
 

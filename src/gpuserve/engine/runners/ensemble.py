@@ -35,8 +35,8 @@ from gpuserve.backends import tensors as _tensors
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.assembly import HandoffRequest, request_rows
-from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun
 from gpuserve.engine.ensemble.handoff import HandoffDecision, host_inputs
+from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun
 from gpuserve.engine.ensemble.stats import EnsembleStats, StepStats
 from gpuserve.engine.request import (
     InferenceRequest,

@@ -25,11 +25,11 @@ from pathlib import Path
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.admission import AdmissionPool
-from gpuserve.engine.streaming.executor import DecoupledExecutor, StreamJob
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, RequestTiming
 from gpuserve.engine.runners.base import ResponseStream, StreamedResponse, VersionRunner
 from gpuserve.engine.streaming.buffer import StreamItem
+from gpuserve.engine.streaming.executor import DecoupledExecutor, StreamJob
 from gpuserve.errors import InvalidInputError, UnavailableError
 
 

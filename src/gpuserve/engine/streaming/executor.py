@@ -54,10 +54,10 @@ from gpuserve.backends.python import to_numpy_dict
 from gpuserve.backends.streaming import StreamCall
 from gpuserve.config import ModelConfig
 from gpuserve.engine.assembly import OutputSpec, check_sent
-from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.response_stats import ResponseOutcome
 from gpuserve.engine.stats import BatchStats, ModelStats, RequestStats
+from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
 from gpuserve.engine.streaming.buffer import ResponseChannel, StreamItem
 from gpuserve.errors import (
     BackendError,

@@ -41,7 +41,7 @@ from gpuserve.protocol.openai_codec import (
     parse_embeddings,
 )
 from gpuserve.server.http.openai_errors import OpenAIHttpError, error_answer
-from gpuserve.server.http.request import JSON, HttpRequest
+from gpuserve.server.http.request import HttpRequest, respond_json
 from gpuserve.server.security import Redactor, Tokens
 from gpuserve.server.timing import (
     COMPUTE_TIME_US_HEADER,
@@ -55,9 +55,9 @@ from gpuserve.service.embeddings import (
     EmbeddingsService,
     created,
 )
-from gpuserve.service.retrieval import KINDS, serves
 from gpuserve.service.inference import InferenceService
-from gpuserve.service.outcome import AccessRecord, log_access
+from gpuserve.service.outcome import AccessRecord
+from gpuserve.service.retrieval import KINDS, serves
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +207,7 @@ class OpenAIApi:
         record: AccessRecord,
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
-        request.respond(status, payload, JSON, headers or ())
-        if self.access_log:
-            client = request.client
-            record.client = f"{client[0]}:{client[1]}" if client else "-"
-            record.status, record.size = status, len(payload)
-            record.total_s = time.monotonic() - request.started_s
-            log_access(record)
+        respond_json(request, status, payload, headers or (), record if self.access_log else None)
 
 
 def _shape(body: EmbeddingsBody, result: EmbeddingResult) -> list[int]:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gpuserve.service.outcome import AccessRecord, log_access
+
 if TYPE_CHECKING:
     from gpuserve.server.http.connection import HttpConnection
 
@@ -111,3 +113,21 @@ def traceparent(request: HttpRequest) -> str | None:
     """The client's W3C ``traceparent`` header (front ends read it only while tracing is on)."""
     value = request.header(b"traceparent")
     return None if value is None else value.decode("latin-1")
+
+
+def respond_json(
+    request: HttpRequest,
+    status: int,
+    payload: bytes,
+    headers: Iterable[tuple[bytes, bytes]],
+    record: AccessRecord | None,
+) -> None:
+    """Answer ``request`` with the JSON ``payload``; with a ``record`` (access log on),
+    complete it (client, status, size, total seconds) and write the access line."""
+    request.respond(status, payload, JSON, headers)
+    if record is not None:
+        client = request.client
+        record.client = f"{client[0]}:{client[1]}" if client else "-"
+        record.status, record.size = status, len(payload)
+        record.total_s = time.monotonic() - request.started_s
+        log_access(record)

@@ -46,7 +46,7 @@ from gpuserve.errors import (
 from gpuserve.protocol import retrieval_codec as codec
 from gpuserve.protocol.limits import RequestLimits
 from gpuserve.protocol.openai_codec import EmbeddingsBody
-from gpuserve.server.http.request import JSON, HttpRequest
+from gpuserve.server.http.request import HttpRequest, respond_json
 from gpuserve.server.http.retrieval_errors import RetrievalError, cohere_error, tei_error
 from gpuserve.server.security import Redactor
 from gpuserve.server.timing import (
@@ -58,7 +58,7 @@ from gpuserve.server.timing import (
 from gpuserve.service.embedding_models import count_pool
 from gpuserve.service.embeddings import EmbeddingsService
 from gpuserve.service.inference import InferenceService
-from gpuserve.service.outcome import AccessRecord, log_access
+from gpuserve.service.outcome import AccessRecord
 from gpuserve.service.retrieval import KINDS, Kind, RetrievalService, RowsResult, TooManyRowsError
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
@@ -330,13 +330,7 @@ class RetrievalApi:
         record: AccessRecord,
         headers: list[Header],
     ) -> None:
-        request.respond(status, payload, JSON, headers)
-        if self.access_log:
-            client = request.client
-            record.client = f"{client[0]}:{client[1]}" if client else "-"
-            record.status, record.size = status, len(payload)
-            record.total_s = time.monotonic() - request.started_s
-            log_access(record)
+        respond_json(request, status, payload, headers, record if self.access_log else None)
 
 
 def _fields(call: codec.PredictCall) -> dict[str, Any]:
