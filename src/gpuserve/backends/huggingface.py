@@ -47,7 +47,6 @@ prefix cannot settle is refused with 400 (the character cap).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,9 +65,21 @@ from gpuserve.backends.base import (
     RowErrors,
     Token,
 )
+from gpuserve.backends.hf_folder import (
+    DEFAULT_MAX_LENGTH,
+    FEATURE_EXTRACTION,
+    NO_LIMIT,
+    SEQUENCE_CLASSIFICATION,
+    SPARSE_EMBEDDING,
+    TEXT_INPUT,
+    TOKENIZER_FILES,
+    FolderInfo,
+    complete_hf_config,
+    model_folder,
+    read_folder,
+)
 from gpuserve.backends.optional import library_lock, require
-from gpuserve.config import CONFIG_FILENAME, ModelConfig, TensorSpec
-from gpuserve.config.retrieval import ClassificationConfig, RerankConfig, SparseConfig
+from gpuserve.config import ModelConfig
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 from gpuserve.text.decode import decode_texts
 from gpuserve.text.truncation import (
@@ -79,31 +90,6 @@ from gpuserve.text.truncation import (
 )
 
 logger = logging.getLogger(__name__)
-
-FEATURE_EXTRACTION = "feature-extraction"
-SEQUENCE_CLASSIFICATION = "sequence-classification"
-SPARSE_EMBEDDING = "sparse-embedding"
-TEXT_INPUT = "TEXT"
-PAIR_INPUT = "TEXT_PAIR"
-#: Output names each task offers; the first ones are what auto-completion declares.
-TASK_OUTPUTS = {
-    FEATURE_EXTRACTION: ("EMBEDDING",),
-    SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL", "PROBABILITIES"),
-    SPARSE_EMBEDDING: ("SPARSE_INDICES", "SPARSE_VALUES"),
-}
-_AUTO_OUTPUTS = {
-    FEATURE_EXTRACTION: ("EMBEDDING",),
-    SEQUENCE_CLASSIFICATION: ("LOGITS", "LABEL"),
-    SPARSE_EMBEDDING: ("SPARSE_INDICES", "SPARSE_VALUES"),
-}
-#: ``config.json`` keys that hold the width of the hidden state, by model family.
-_HIDDEN_KEYS = ("hidden_size", "dim", "d_model", "n_embd")
-#: Tokenizers report this (``int(1e30)``) when the folder sets no ``model_max_length``.
-_NO_LIMIT = 1_000_000
-_DEFAULT_MAX_LENGTH = 512
-#: A folder holds a tokenizer when it has one of these (``tokenizer.json`` is the fast one).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
-
 
 #: The names of ``transformers`` this backend uses, resolved under the import lock (its
 #: top-level module builds them lazily, which is not thread-safe: BC-35).
@@ -124,211 +110,6 @@ def import_transformers() -> Any:
         MissingDependencyError: transformers is not installed (the message names the extra).
     """
     return require("transformers", "backend 'huggingface'", _TRANSFORMERS_NAMES)
-
-
-@dataclass(frozen=True, slots=True)
-class FolderInfo:
-    """What a transformers folder says about itself, read from JSON (no transformers import).
-
-    Attributes:
-        path: The folder.
-        hidden_size: Width of the last hidden state, or None when ``config.json`` names none.
-        labels: ``id2label`` names in id order (``LABEL_<i>`` when absent).
-        multi_label: ``problem_type`` is ``multi_label_classification``.
-        max_positions: ``max_position_embeddings``, or None.
-        st_max_seq_length: sentence-transformers ``max_seq_length``, or None.
-        st_pooling: sentence-transformers pooling mode (``mean``, ``cls``, ``max``, ...), or
-            None when the folder has no pooling config.
-        st_normalize: ``modules.json`` lists a ``Normalize`` module.
-    """
-
-    path: Path
-    hidden_size: int | None
-    labels: list[str]
-    multi_label: bool = False
-    max_positions: int | None = None
-    st_max_seq_length: int | None = None
-    st_pooling: str | None = None
-    st_normalize: bool = False
-    vocab_size: int | None = None
-
-
-def model_folder(config: ModelConfig, version_path: Path) -> Path:
-    """The transformers folder of one version (``huggingface.model_dir`` or the version)."""
-    configured = config.huggingface.model_dir
-    return version_path / Path(configured) if configured else version_path
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read: {err}") from None
-
-
-def read_folder(path: Path) -> FolderInfo:
-    """Read ``config.json`` and the sentence-transformers files of a transformers folder.
-
-    Raises:
-        ConfigError: no ``config.json``, unreadable JSON.
-    """
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(
-            f"{path}: backend 'huggingface' needs a transformers folder here (config.json, "
-            "weights and tokenizer files, as save_pretrained writes them); none found"
-        )
-    data = _read_json(config_path)
-    hidden = next((data[k] for k in _HIDDEN_KEYS if isinstance(data.get(k), int)), None)
-    id2label = data.get("id2label") or {}
-    count = len(id2label) or int(data.get("num_labels", 2))
-    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
-    st_max = None
-    sbert = path / "sentence_bert_config.json"
-    if sbert.is_file():
-        value = _read_json(sbert).get("max_seq_length")
-        st_max = int(value) if value is not None else None
-    modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
-    pooling_dir = next(
-        (m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling")),
-        "1_Pooling",
-    )
-    st_pooling = None
-    pooling_config = path / pooling_dir / "config.json"
-    if pooling_config.is_file():
-        modes = _read_json(pooling_config)
-        chosen = [k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True]
-        names = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-        st_pooling = "+".join(names.get(k, k.removeprefix("pooling_mode_")) for k in chosen)
-    return FolderInfo(
-        path=path,
-        hidden_size=hidden,
-        labels=labels,
-        multi_label=data.get("problem_type") == "multi_label_classification",
-        max_positions=data.get("max_position_embeddings"),
-        st_max_seq_length=st_max,
-        st_pooling=st_pooling,
-        st_normalize=any(str(m.get("type", "")).endswith(".Normalize") for m in modules),
-        vocab_size=data.get("vocab_size") if isinstance(data.get("vocab_size"), int) else None,
-    )
-
-
-def model_tensors(task: str, info: FolderInfo, top_k: int = 256) -> dict[str, TensorSpec]:
-    """Every output ``task`` can produce for this folder, by name."""
-    if task == SPARSE_EMBEDDING:
-        k = min(top_k, info.vocab_size) if info.vocab_size else top_k
-        return {
-            "SPARSE_INDICES": TensorSpec(name="SPARSE_INDICES", datatype="INT64", shape=[k]),
-            "SPARSE_VALUES": TensorSpec(name="SPARSE_VALUES", datatype="FP32", shape=[k]),
-        }
-    if task == FEATURE_EXTRACTION:
-        if info.hidden_size is None:
-            return {}
-        return {
-            "EMBEDDING": TensorSpec(name="EMBEDDING", datatype="FP32", shape=[info.hidden_size])
-        }
-    n = len(info.labels)
-    return {
-        "LOGITS": TensorSpec(name="LOGITS", datatype="FP32", shape=[n]),
-        "LABEL": TensorSpec(name="LABEL", datatype="BYTES", shape=[1]),
-        "PROBABILITIES": TensorSpec(name="PROBABILITIES", datatype="FP32", shape=[n]),
-    }
-
-
-def _spec_text(spec: TensorSpec) -> str:
-    return f"{spec.name} {spec.datatype} {spec.shape}"
-
-
-def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
-    """Fill in or check ``inputs``/``outputs`` of a huggingface model (see the module doc).
-
-    Raises:
-        ConfigError: no batching, an input other than one BYTES ``[1]`` tensor, an output the
-            task does not produce, or one whose datatype/shape disagrees with the model; the
-            message names the config's value and the model's.
-    """
-    config_path = version_path.parent / CONFIG_FILENAME
-    hf = config.huggingface
-    if config.max_batch_size < 1:
-        raise ConfigError(
-            f"{config_path}: field 'max_batch_size': backend 'huggingface' batches its rows "
-            f"(TEXT is [batch, 1]); use 1 or more, got {config.max_batch_size}"
-        )
-    info = read_folder(model_folder(config, version_path))
-    available = model_tensors(hf.task, info, hf.sparse_top_k)
-    problems: list[str] = []
-    inputs = list(config.inputs)
-    pairs = hf.task == SEQUENCE_CLASSIFICATION
-    if not inputs:
-        inputs = [TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])]
-        if pairs:
-            inputs.append(TensorSpec(name=PAIR_INPUT, datatype="BYTES", shape=[1], optional=True))
-    elif (
-        len(inputs) > (2 if pairs else 1)
-        or any(s.datatype != "BYTES" or s.shape != [1] for s in inputs)
-        or (len(inputs) == 2 and not inputs[1].optional)
-    ):
-        declared = ", ".join(_spec_text(s) for s in inputs)
-        takes = "TEXT BYTES [1]" + (", TEXT_PAIR BYTES [1] optional" if pairs else "")
-        problems.append(f"inputs: config declares [{declared}], the model takes [{takes}]")
-    outputs = list(config.outputs)
-    if not outputs:
-        if not available:
-            raise ConfigError(
-                f"{config_path}: outputs omitted, but {info.path / 'config.json'} names no "
-                f"hidden size (none of {list(_HIDDEN_KEYS)}); declare EMBEDDING FP32 [width]"
-            )
-        outputs = [available[name] for name in _AUTO_OUTPUTS[hf.task]]
-    for spec in config.outputs:
-        model_spec = available.get(spec.name)
-        if model_spec is None and hf.task == FEATURE_EXTRACTION and spec.name == "EMBEDDING":
-            continue  # width unknown to config.json: the declaration is taken at its word
-        if model_spec is None:
-            problems.append(
-                f"output '{spec.name}': task '{hf.task}' produces only "
-                f"{list(TASK_OUTPUTS[hf.task])}"
-            )
-        elif (spec.datatype, spec.shape) != (model_spec.datatype, model_spec.shape):
-            problems.append(
-                f"output '{spec.name}': config declares {spec.datatype} {spec.shape}, the "
-                f"model gives {model_spec.datatype} {model_spec.shape}"
-            )
-    if problems:
-        raise ConfigError(
-            f"{config_path}: config.yaml disagrees with {info.path / 'config.json'}:\n  "
-            + "\n  ".join(problems)
-        )
-    update: dict[str, object] = {}
-    if inputs != config.inputs or outputs != config.outputs:
-        update = {"inputs": inputs, "outputs": outputs}
-    update.update(_retrieval_sections(config, info, inputs, outputs))
-    return config.model_copy(update=update) if update else config
-
-
-def _retrieval_sections(
-    config: ModelConfig, info: FolderInfo, inputs: list[TensorSpec], outputs: list[TensorSpec]
-) -> dict[str, object]:
-    """The ``classification``/``rerank``/``sparse`` sections completion fills in (those the
-    config leaves unset; see the module docstring)."""
-    task = config.huggingface.task
-    names = [t.name for t in outputs]
-    update: dict[str, object] = {}
-    text = inputs[0].name
-    pair = inputs[1].name if len(inputs) > 1 else None
-    if task == SEQUENCE_CLASSIFICATION and "LOGITS" in names:
-        if config.classification is None:
-            update["classification"] = ClassificationConfig(
-                text_input=text,
-                pair_input=pair,
-                output="LOGITS",
-                labels=info.labels,
-                multi_label=info.multi_label,
-            )
-        if config.rerank is None and pair is not None and len(info.labels) == 1:
-            update["rerank"] = RerankConfig(text_input=text, pair_input=pair, output="LOGITS")
-    if task == SPARSE_EMBEDDING and config.sparse is None:
-        update["sparse"] = SparseConfig(text_input=text)
-    return update
 
 
 @dataclass(slots=True)
@@ -359,7 +140,7 @@ class HuggingFaceBackend(Backend):
         self.pair_input: str | None = None
         self.top_k = 256
         self.output_names: list[str] = []
-        self.max_length = _DEFAULT_MAX_LENGTH
+        self.max_length = DEFAULT_MAX_LENGTH
         self.truncation = True
         self.padding = "longest"
         self.pooling = "mean"
@@ -396,10 +177,10 @@ class HuggingFaceBackend(Backend):
         self.pooling, self.normalize = _pooling(hf.pooling, hf.normalize, info)
 
         folder = str(info.path)
-        if not any((info.path / name).is_file() for name in _TOKENIZER_FILES):
+        if not any((info.path / name).is_file() for name in TOKENIZER_FILES):
             # Recent transformers would build an empty tokenizer rather than fail.
             raise ConfigError(
-                f"{folder}: no tokenizer files (one of {list(_TOKENIZER_FILES)}); save the "
+                f"{folder}: no tokenizer files (one of {list(TOKENIZER_FILES)}); save the "
                 "tokenizer into the folder with tokenizer.save_pretrained"
             )
         # from_pretrained imports the model family's modules lazily on first use and fills
@@ -653,8 +434,8 @@ def _max_length(configured: int | None, info: FolderInfo, tokenizer: Any) -> int
     elif info.st_max_seq_length is not None:
         length = info.st_max_seq_length
     else:
-        limit = int(getattr(tokenizer, "model_max_length", _NO_LIMIT) or _NO_LIMIT)
-        length = limit if limit < _NO_LIMIT else _DEFAULT_MAX_LENGTH
+        limit = int(getattr(tokenizer, "model_max_length", NO_LIMIT) or NO_LIMIT)
+        length = limit if limit < NO_LIMIT else DEFAULT_MAX_LENGTH
     if info.max_positions is not None and length > info.max_positions:
         if configured is not None:
             raise ConfigError(

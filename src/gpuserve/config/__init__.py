@@ -16,19 +16,21 @@ Submodules (they import each other by these paths, never through this package):
 This package re-exports the names code imports from ``gpuserve.config``.
 """
 
+from gpuserve.config.backend_sections import (
+    HuggingFaceConfig,
+    OnnxConfig,
+    OnnxProvider,
+    OptimizationConfig,
+)
 from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
 from gpuserve.config.model import (
     CONFIG_FILENAME,
     AdaptiveBatchingConfig,
     CanaryConfig,
     DynamicBatchingConfig,
-    HuggingFaceConfig,
     InstanceGroup,
     LatestPolicy,
     ModelConfig,
-    OnnxConfig,
-    OnnxProvider,
-    OptimizationConfig,
     SpecificPolicy,
     TensorSpec,
     TransactionPolicyConfig,

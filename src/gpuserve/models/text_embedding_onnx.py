@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,16 +244,8 @@ class OnnxTextEmbedding(PythonModel):
         # Checks the graph against the tensors this model feeds it (names, dtypes, widths).
         graph_config = OnnxBackend.complete_config(graph_config, context.version_path)
         self.graph = OnnxBackend()
-        self.graph.load(
-            LoadContext(
-                config=graph_config,
-                version_path=context.version_path,
-                version=context.version,
-                device=context.device,
-                instance_index=context.instance_index,
-                parameters=context.parameters,
-            )
-        )
+        # the graph's own config; the graph calls no other model
+        self.graph.load(replace(context, config=graph_config, caller=None))
 
     def warmup(self) -> None:
         text = np.array([[b"gpuserve warms up the ONNX text embedding model."]], dtype=object)

@@ -21,6 +21,7 @@ FP32 output of the logits, with a ``rerank`` or ``classification`` section. Para
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -82,16 +83,8 @@ class OnnxTextPairs(PythonModel):
             graph_config.outputs[0].name,
         )
         self.graph = OnnxBackend()
-        self.graph.load(
-            LoadContext(
-                config=graph_config,
-                version_path=context.version_path,
-                version=context.version,
-                device=context.device,
-                instance_index=context.instance_index,
-                parameters=context.parameters,
-            )
-        )
+        # the graph's own config; the graph calls no other model
+        self.graph.load(replace(context, config=graph_config, caller=None))
         self._admit = (
             partial(
                 hf_text.admit_pairs,
