@@ -19,20 +19,26 @@ passages, ``--requests`` distinct requests sent in turn.
 
 Points:
 
-1. **in-process limit**: the same model in this process, pinned to the server's CPUs with one
-   thread, scoring each request's pairs as the server does (sorted by length, chunks of
-   ``--max-batch`` pairs, the same tokenisation and truncation): requests per second;
+1. **in-process limit**: the served model's own execution (the repository's ``huggingface``
+   backend loaded in this process as the server loads it, packed by default), pinned to the
+   server's CPUs with one thread, scoring each request's pairs as the server's rerank route
+   does (ordered by length, even chunks of at most ``--max-batch`` pairs, the same
+   tokenisation and truncation): requests per second;
 2. gpuserve (``gpuserve serve``, the model as a ``huggingface`` ``sequence-classification``
    model, ``max_batch_size`` ``--max-batch``) at closed-loop concurrency ``--conc``: its
-   ``/rerank`` over the limit (target >= 0.85);
+   ``/rerank`` over the limit (target >= 0.85); with ``--padded`` also the same model with
+   ``unpadded: false`` (transformers' padded forward), to show what packed execution buys;
 3. infinity-emb (``infinity_emb v2``, torch engine, CPU) serving the same folder, from its
    own venv (``--infinity-python``): gpuserve over infinity (target >= 1.5x at c >= 8).
+
+Every server is started first and the points are interleaved: at each concurrency, each of
+``--rounds`` rounds measures every server in turn.
 
 Before the load the answers are checked: gpuserve's raw scores equal the in-process logits.
 
 Usage::
 
-    .venv/bin/python benchmarks/rerank.py                        # about 5 minutes
+    .venv/bin/python benchmarks/rerank.py --layers 2 --padded --rounds 2    # about 20 minutes
     .venv/bin/python benchmarks/rerank.py --no-infinity --conc 1,8 --duration 10
 
 Results: ``benchmarks/results/rerank-<date>.md`` and ``.json``. infinity-emb's venv, once (the
@@ -52,7 +58,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -96,39 +102,46 @@ def workload(passages: int, requests: int) -> list[tuple[str, list[str]]]:
 
 
 def in_process_limit(
-    folder: Path,
+    repo: Path,
     work: list[tuple[str, list[str]]],
     cpuset: set[int],
-    max_batch: int,
-    max_length: int,
     seconds: float,
 ) -> tuple[float, list[np.ndarray]]:
-    """Requests per second of the model in this process on the server's CPUs, one thread,
-    and the logits of each request (input order)."""
-    import torch
-    import transformers
+    """Requests per second of the served model's own execution in this process, on the
+    server's CPUs with one thread, and the logits of each request (input order).
 
-    from gpuserve.backends.hf_text import encode_pairs
+    The model is the repository's ``huggingface`` backend, loaded as the server loads it (so
+    with its ``unpadded`` setting); each request's pairs are ordered by length and cut into
+    even chunks of at most ``max_batch_size`` as the server's rerank route cuts them, then run
+    through the backend's CPU stage, forward and postprocess: everything the server does but
+    HTTP, admission and batching.
+    """
+    import torch
+
+    from gpuserve.backends.base import LoadContext
+    from gpuserve.backends.huggingface import HuggingFaceBackend
+    from gpuserve.config.model import load_model_config
+    from gpuserve.service.retrieval import chunk_rows
 
     before = os.sched_getaffinity(0)
     threads = torch.get_num_threads()
     os.sched_setaffinity(0, cpuset)
     torch.set_num_threads(1)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            str(folder), local_files_only=True
-        ).eval()
+        config = load_model_config(repo / MODEL / "config.yaml")
+        backend = HuggingFaceBackend()
+        backend.load(LoadContext(config=config, version_path=repo / MODEL / "1", version=1))
 
         def score(query: str, passages: list[str]) -> np.ndarray:
-            order = sorted(range(len(passages)), key=lambda i: len(passages[i]))
+            lengths = [len(query) + len(p) for p in passages]
             out = np.empty(len(passages), dtype=np.float32)
-            for start in range(0, len(order), max_batch):
-                rows = order[start : start + max_batch]
-                texts = [passages[i] for i in rows]
-                batch = encode_pairs(tokenizer, [query] * len(rows), texts, max_length, "longest")
-                with torch.inference_mode():
-                    out[rows] = model(**batch).logits[:, 0].float().numpy()
+            for rows in chunk_rows(lengths, config.max_batch_size):
+                inputs = {
+                    "TEXT": np.array([[query.encode()]] * len(rows), dtype=object),
+                    "TEXT_PAIR": np.array([[passages[i].encode()] for i in rows], dtype=object),
+                }
+                result = backend.postprocess(backend.forward(backend.preprocess(inputs)))
+                out[rows] = result["LOGITS"][:, 0]
             return out
 
         logits = [score(*work[0])]  # also the warm-up; the answer check's reference
@@ -143,8 +156,10 @@ def in_process_limit(
         os.sched_setaffinity(0, before)
 
 
-def write_repository(root: Path, folder: Path, max_batch: int, max_length: int) -> Path:
-    repo = root / "repository"
+def write_repository(
+    root: Path, folder: Path, max_batch: int, max_length: int, unpadded: str = "auto"
+) -> Path:
+    repo = root / f"repository-{unpadded}"
     (repo / MODEL / "1").mkdir(parents=True, exist_ok=True)
     (repo / MODEL / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
     (repo / MODEL / "config.yaml").write_text(
@@ -153,7 +168,7 @@ def write_repository(root: Path, folder: Path, max_batch: int, max_length: int) 
         "dynamic_batching: {max_queue_delay_us: 2000}\n"
         "instance_group: [{kind: cpu, count: 1}]\n"
         f"huggingface: {{task: sequence-classification, model_dir: '{folder}', "
-        f"max_length: {max_length}}}\n"
+        f"max_length: {max_length}, unpadded: {unpadded}}}\n"
     )
     return repo
 
@@ -219,14 +234,32 @@ def report(args: argparse.Namespace, limit: float, points: list[oe.Point], meta:
             f"{rps * args.passages:.1f} | {share:.2f} | {p.p50_ms:.0f} | {p.p99_ms:.0f} | "
             f"{p.errors} |"
         )
-    by = {(p.server, p.concurrency): rate(p) for p in points}
-    if any(s == "infinity" for s, _ in by):
-        lines += ["", "| c | gpuserve / infinity | target >= 1.5x (c >= 8) |", "|---:|---:|---|"]
+    by: dict[tuple[str, int], list[float]] = {}
+    for p in points:
+        by.setdefault((p.server, p.concurrency), []).append(rate(p))
+    mean = {key: sum(v) / len(v) for key, v in by.items()}
+    names = sorted({s for s, _ in mean})
+    lines += ["", f"Means over {args.rounds} interleaved round(s):", ""]
+    lines += ["| c | " + " | ".join(f"{n} req/s" for n in names) + " |"]
+    lines += ["|---:|" + "---:|" * len(names)]
+    for c in args.conc:
+        lines.append(f"| {c} | " + " | ".join(f"{mean.get((n, c), 0):.3f}" for n in names) + " |")
+    for other, target in (("infinity", 1.5), ("gpuserve-padded", None)):
+        if other not in names:
+            continue
+        head = f"| c | gpuserve / {other} |" + (
+            f" target >= {target}x (c >= 8) |" if target else ""
+        )
+        lines += ["", head, "|---:|---:|" + ("---|" if target else "")]
         for c in args.conc:
-            g, i = by.get(("gpuserve", c)), by.get(("infinity", c))
+            g, i = mean.get(("gpuserve", c)), mean.get((other, c))
             if g and i:
-                ok = "-" if c < 8 else ("ok" if g / i >= 1.5 else "missed")
-                lines.append(f"| {c} | {g / i:.2f}x | {ok} |")
+                ok = (
+                    ""
+                    if target is None
+                    else (" - |" if c < 8 else (" ok |" if g / i >= target else " missed |"))
+                )
+                lines.append(f"| {c} | {g / i:.2f}x |{ok}")
     lines += ["", "```json", json.dumps(meta, indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -246,6 +279,10 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--infinity-python", default="/tmp/venv-infinity/bin/python")
     parser.add_argument("--no-infinity", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--padded", action="store_true", help="also serve the model with unpadded: false"
+    )
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     server_cpus, client_cpus = oe.cpus(args.server_cpus), oe.cpus(args.client_cpus)
@@ -253,43 +290,49 @@ def main() -> None:
     cache = Path(tempfile.gettempdir()) / f"gpuserve-rerank-bench-L{args.layers}"
     folder = build_model(cache / "model", args.layers)
     work = workload(args.passages, args.requests)
+    repo = write_repository(cache, folder, args.max_batch, args.max_length)
     oe.log("in-process limit ...")
-    limit, logits = in_process_limit(
-        folder, work, server_cpus, args.max_batch, args.max_length, args.duration
-    )
+    limit, logits = in_process_limit(repo, work, server_cpus, args.duration)
     oe.log(f"in-process limit {limit:.3f} requests/s")
     points: list[oe.Point] = []
     meta: dict = {"limit_rps": limit, "date": dt.date.today().isoformat()}
-    repo = write_repository(cache, folder, args.max_batch, args.max_length)
-    server = start_gpuserve(repo, server_cpus)
+    targets: list[oe.Target] = []
+    servers: list[oe.Server] = []
     try:
-        check = {"query": work[0][0], "texts": work[0][1], "raw_scores": True, "model": MODEL}
-        got = oe.post_json(server.port, "/rerank", json.dumps(check).encode())
-        scores = np.array([item["score"] for item in sorted(got, key=lambda i: i["index"])])
-        diff = meta["gpuserve_max_abs_diff"] = float(np.abs(scores - logits[0]).max())
-        oe.log(f"gpuserve raw scores vs in-process logits: max |diff| {diff:.2e}")
-        requests = [oe.request_bytes("/rerank", tei_body(q, p)) for q, p in work]
-        target = oe.Target("gpuserve", "tei", server.port, requests)
-        for c in args.conc:
-            points.append(oe.load(target, c, window(args, c, limit), args.warmup))
-    finally:
-        server.stop()
-    if not args.no_infinity and Path(args.infinity_python).exists():
-        server = start_infinity(args.infinity_python, folder, server_cpus, args.max_batch)
-        try:
+        # every server is started before the load and measured in turn at each concurrency
+        # (rounds interleaved), so drift of the machine falls on all of them alike
+        variants = [("gpuserve", "auto")] + ([("gpuserve-padded", "false")] if args.padded else [])
+        for name, unpadded in variants:
+            repo = write_repository(cache, folder, args.max_batch, args.max_length, unpadded)
+            server = start_gpuserve(repo, server_cpus)
+            servers.append(server)
+            check = {"query": work[0][0], "texts": work[0][1], "raw_scores": True, "model": MODEL}
+            got = oe.post_json(server.port, "/rerank", json.dumps(check).encode())
+            scores = np.array([item["score"] for item in sorted(got, key=lambda i: i["index"])])
+            diff = meta[f"{name}_max_abs_diff"] = float(np.abs(scores - logits[0]).max())
+            oe.log(f"{name} raw scores vs in-process logits: max |diff| {diff:.2e}")
+            requests = [oe.request_bytes("/rerank", tei_body(q, p)) for q, p in work]
+            targets.append(oe.Target(name, "tei", server.port, requests))
+        if not args.no_infinity and Path(args.infinity_python).exists():
+            server = start_infinity(args.infinity_python, folder, server_cpus, args.max_batch)
+            servers.append(server)
             requests = [oe.request_bytes("/rerank", cohere_body(q, p)) for q, p in work]
-            target = oe.Target("infinity", "cohere", server.port, requests)
             got = oe.post_json(server.port, "/rerank", cohere_body(*work[0]))
             ranked = [item["index"] for item in got["results"]]
             mine = [int(i) for i in np.argsort(-logits[0], kind="stable")]
             meta["infinity_same_top10"] = ranked[:10] == mine[:10]
             oe.log(f"infinity's top 10 equals the in-process ranking: {ranked[:10] == mine[:10]}")
-            for c in args.conc:
-                points.append(oe.load(target, c, window(args, c, limit), args.warmup))
-        finally:
+            targets.append(oe.Target("infinity", "cohere", server.port, requests))
+        elif not args.no_infinity:
+            meta["infinity"] = f"not run: {args.infinity_python} not found"
+        for c in args.conc:
+            for round_ in range(args.rounds):
+                for target in targets:
+                    point = oe.load(target, c, window(args, c, limit), args.warmup)
+                    points.append(replace(point, round=round_))
+    finally:
+        for server in servers:
             server.stop()
-    elif not args.no_infinity:
-        meta["infinity"] = f"not run: {args.infinity_python} not found"
     meta["points"] = [asdict(p) for p in points]
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"rerank{('-' + args.tag) if args.tag else ''}-{meta['date']}"

@@ -107,6 +107,16 @@ def encode_pairs(
     Returns:
         The tokenizer's ``BatchEncoding``: ``input_ids`` etc. int64 ``[B, L]``.
     """
+    rows = pair_rows(tokenizer, firsts, seconds, max_length)
+    return tokenizer.pad(rows, padding=padding, max_length=max_length, return_tensors="pt")
+
+
+def pair_rows(
+    tokenizer: Any, firsts: list[str], seconds: list[str], max_length: int
+) -> list[dict[str, list[int]]]:
+    """Tokenise pairs (see the module docstring), unpadded: one dict of token lists
+    (``input_ids``, ``token_type_ids``, ``attention_mask`` as the tokenizer gives them) per
+    pair, in input order."""
     pair_specials = int(tokenizer.num_special_tokens_to_add(pair=True))
     heads = tokenizer(firsts, add_special_tokens=False, truncation=False)["input_ids"]
     fits = [len(h) + pair_specials < max_length for h in heads]
@@ -125,7 +135,7 @@ def encode_pairs(
         keys = list(encoded.keys())
         for j, i in enumerate(index):
             rows[i] = {k: encoded[k][j] for k in keys}
-    return tokenizer.pad(rows, padding=padding, max_length=max_length, return_tensors="pt")
+    return rows
 
 
 def splade(logits: Any, attention_mask: Any, top_k: int) -> tuple[Any, Any]:

@@ -78,6 +78,7 @@ from gpuserve.backends.hf_folder import (
     model_folder,
     read_folder,
 )
+from gpuserve.backends.hf_packed import PackedEncoder, PackedRows, unsupported
 from gpuserve.backends.optional import library_lock, require
 from gpuserve.config import ModelConfig
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
@@ -114,10 +115,12 @@ def import_transformers() -> Any:
 
 @dataclass(slots=True)
 class TokenBatch:
-    """CPU stage result: tokenised rows (int64 [B, L] each, pinned for a GPU) and row errors."""
+    """CPU stage result: tokenised rows (int64 [B, L] each, pinned for a GPU; or, for packed
+    execution, ``packed`` with ``features`` empty) and row errors."""
 
     features: dict[str, Any]
     errors: dict[int, InvalidInputError] = field(default_factory=dict)
+    packed: PackedRows | None = None
 
 
 @dataclass(slots=True)
@@ -151,6 +154,7 @@ class HuggingFaceBackend(Backend):
         self._pin = False
         self._truncator: PrefixTruncator | None = None
         self._step: AdmissionStep | None = None
+        self._packed: PackedEncoder | None = None
 
     @classmethod
     def complete_config(
@@ -214,6 +218,7 @@ class HuggingFaceBackend(Backend):
         self.model = model.to(device=self.device, dtype=context.torch_dtype).eval()
         self.model.requires_grad_(False)
         self._pin = self.device.type == "cuda"
+        self._packed = _packed_runner(self.model, self.task, hf.unpadded, self.device, hf.padding)
         if self.task == SEQUENCE_CLASSIFICATION and self.model.config.num_labels != len(
             self.labels
         ):
@@ -222,7 +227,7 @@ class HuggingFaceBackend(Backend):
                 for i in range(self.model.config.num_labels)
             ]
         logger.info(
-            "model %s: transformers %s %s (%s) on %s in %s, max_length %d, pooling %s%s",
+            "model %s: transformers %s %s (%s) on %s in %s, max_length %d, pooling %s%s%s",
             config.name,
             type(self.model).__name__,
             self.task,
@@ -232,6 +237,7 @@ class HuggingFaceBackend(Backend):
             self.max_length,
             self.pooling if self.task == FEATURE_EXTRACTION else "-",
             ", normalised" if self.normalize and self.task == FEATURE_EXTRACTION else "",
+            ", unpadded" if self._packed is not None else "",
         )
 
     def warmup(self) -> None:
@@ -254,6 +260,10 @@ class HuggingFaceBackend(Backend):
                 if problem is not None:
                     errors[row] = InvalidInputError(problem)
                     texts[row] = ""
+        if self._packed is not None:
+            encoded = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+            rows = [{k: encoded[k][i] for k in encoded} for i in range(len(texts))]
+            return TokenBatch({}, errors, PackedRows.of(rows, self._pin))
         encoded = self.tokenizer(
             texts,
             padding=self.padding,
@@ -285,6 +295,11 @@ class HuggingFaceBackend(Backend):
                         f"has more than max_length {self.max_length} tokens (truncation is off)"
                     )
                     firsts[row], seconds[row] = "", ""
+        if self._packed is not None:
+            rows = hf_text.pair_rows(self.tokenizer, firsts, seconds, self.max_length)
+            if "token_type_ids" not in self._input_names:
+                rows = [{"input_ids": row["input_ids"]} for row in rows]
+            return TokenBatch({}, errors, PackedRows.of(rows, self._pin))
         encoded = hf_text.encode_pairs(
             self.tokenizer, firsts, seconds, self.max_length, self.padding
         )
@@ -336,6 +351,13 @@ class HuggingFaceBackend(Backend):
         import torch.nn.functional as F
 
         with torch.inference_mode():
+            if prepared.packed is not None and self._packed is not None:
+                if self.task == SEQUENCE_CLASSIFICATION:
+                    values = self._packed.logits(prepared.packed, self.device)
+                else:
+                    values = self._packed.pooled(prepared.packed, self.device, self.pooling)
+                    values = F.normalize(values, p=2, dim=1) if self.normalize else values
+                return DeviceResult(values, prepared.errors)
             feeds = {k: v.to(self.device, non_blocking=True) for k, v in prepared.features.items()}
             out = self.model(**feeds)
             if self.task == SEQUENCE_CLASSIFICATION:
@@ -380,6 +402,30 @@ class HuggingFaceBackend(Backend):
         self.tokenizer = None
         self._truncator = None
         self._step = None
+        self._packed = None
+
+
+def _packed_runner(
+    model: Any, task: str, unpadded: str | bool, device: Any, padding: str
+) -> PackedEncoder | None:
+    """The packed execution of ``model`` (``huggingface.unpadded``), or None for padded.
+
+    Raises:
+        ConfigError: ``unpadded: true`` for a model that packed execution does not cover.
+    """
+    if unpadded is False:
+        return None
+    reason = unsupported(model, task)
+    if unpadded is True:
+        if reason is not None:
+            raise ConfigError(
+                f"huggingface.unpadded: true, but packed execution does not "
+                f"cover {reason}; set unpadded: auto or false"
+            )
+        return PackedEncoder.of(model, task)
+    if reason is not None or device.type != "cpu" or padding != "longest":
+        return None
+    return PackedEncoder.of(model, task)
 
 
 def _from_pretrained(transformers: Any, folder: str, task: str) -> tuple[Any, Any]:

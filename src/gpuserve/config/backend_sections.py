@@ -99,6 +99,11 @@ class HuggingFaceConfig(_Strict):
         normalize: Feature extraction: L2-normalise embeddings. None: as the folder's
             sentence-transformers ``modules.json`` says (a ``Normalize`` module), else False.
         sparse_top_k: Sparse embedding: terms kept per text (the largest weights).
+        unpadded: Run batches packed, on their real tokens only (no padding tokens in any
+            projection or in attention), for BERT, RoBERTa and XLM-RoBERTa models doing
+            feature extraction or sequence classification: the same outputs for less compute.
+            ``auto``: on for those models on the CPU with ``padding: longest``; ``true``: also
+            on a GPU, and a model it cannot run fails to load; ``false``: padded batches.
     """
 
     task: Literal["feature-extraction", "sequence-classification", "sparse-embedding"] = (
@@ -111,3 +116,4 @@ class HuggingFaceConfig(_Strict):
     pooling: Literal["auto", "mean", "cls"] = "auto"
     normalize: bool | None = None
     sparse_top_k: int = Field(default=256, ge=1, le=1_000_000)
+    unpadded: Literal["auto"] | bool = "auto"

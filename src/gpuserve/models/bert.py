@@ -25,6 +25,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuserve.backends.packing import Packing, mean_pool_packed, packed_attention
+
+__all__ = [
+    "BertConfig",
+    "BertEncoder",
+    "CheckpointError",
+    "Packing",
+    "load_bert",
+    "mean_pool_packed",
+    "packed_attention",
+]
+
 CONFIG_FILENAME = "config.json"
 WEIGHTS_FILENAME = "model.safetensors"
 
@@ -280,86 +292,6 @@ class BertEncoder(nn.Module):
         for layer in self.layers:
             x = cast(BertLayer, layer).forward_packed(x, packing)
         return x
-
-
-@dataclass(frozen=True, slots=True)
-class Packing:
-    """Where each sequence lies in a packed (unpadded) batch of T tokens.
-
-    Attributes:
-        offsets: int64 [B + 1], on the tokens' device: sequence ``i`` is tokens
-            ``offsets[i]:offsets[i+1]``.
-        lengths: The B sequence lengths, tokens, on the host (for slicing without a sync).
-        positions: int64 [T], each token's position within its sequence.
-    """
-
-    offsets: torch.Tensor
-    lengths: tuple[int, ...]
-    positions: torch.Tensor
-
-    @classmethod
-    def of(cls, lengths: list[int] | tuple[int, ...], device: torch.device | str) -> Packing:
-        """The packing of sequences of ``lengths`` tokens (each >= 1)."""
-        sizes = torch.tensor(list(lengths), dtype=torch.int64)
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        torch.cumsum(sizes, 0, out=offsets[1:])
-        starts = torch.repeat_interleave(offsets[:-1], sizes)
-        positions = torch.arange(int(offsets[-1]), dtype=torch.int64) - starts
-        return cls(offsets.to(device), tuple(int(n) for n in lengths), positions.to(device))
-
-
-def packed_attention(qkv: torch.Tensor, packing: Packing) -> torch.Tensor:
-    """Self-attention of each sequence over its own tokens, without padding.
-
-    Args:
-        qkv: [T, 3, heads, head_size], the fused projections of the packed tokens.
-        packing: Where the sequences lie.
-
-    Returns:
-        [T, heads, head_size]. On CUDA, one ``scaled_dot_product_attention`` call over jagged
-        nested tensors (flash / memory-efficient varlen kernels); elsewhere (no CPU kernel
-        takes jagged tensors) one call per sequence on its slice, as a batch of one: with
-        3-d inputs ([heads, L, d]) torch's CPU attention leaves its fused kernel for a path
-        ~4x slower (L = 185, one core), which made packed rows ~14% slower than alone.
-    """
-    if qkv.device.type == "cuda":
-        offsets = packing.offsets
-        q, k, v = (
-            torch.nested.nested_tensor_from_jagged(qkv[:, i], offsets).transpose(1, 2)
-            for i in range(3)
-        )
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
-    parts = []
-    start = 0
-    for length in packing.lengths:
-        # [L, 3, heads, d] -> q, k, v [1, heads, L, d] (4-d: the fused CPU kernel)
-        q, k, v = qkv[start : start + length].permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
-        parts.append(F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1))
-        start += length
-    return torch.cat(parts, dim=0)
-
-
-def mean_pool_packed(hidden: torch.Tensor, packing: Packing) -> torch.Tensor:
-    """Sentence embeddings of a packed batch: per-sequence mean, then L2 norm.
-
-    Args:
-        hidden: [T, H], any float dtype (pooling runs in float32).
-        packing: Where the sequences lie.
-
-    Returns:
-        float32 [B, H], unit L2 norm per row, on ``hidden``'s device.
-    """
-    hidden = hidden.float()
-    batch = len(packing.lengths)
-    lengths = torch.tensor(packing.lengths, dtype=torch.float32).to(hidden.device)
-    index = torch.repeat_interleave(
-        torch.arange(batch, device=hidden.device),
-        lengths.to(torch.int64),
-        output_size=hidden.shape[0],
-    )
-    summed = torch.zeros(batch, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    summed.index_add_(0, index, hidden)
-    return F.normalize(summed / lengths[:, None], p=2, dim=1)
 
 
 def _attention_bias(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
