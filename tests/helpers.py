@@ -228,5 +228,15 @@ def wait_queue(
 def ran_rows(server: InProcessServer, model: str) -> list[float]:
     """The first element of every row a fixture model that logs its rows has run (the
     ``RAN`` list of ``slow_fp32``'s ``model.py``, found through the loaded model)."""
+    return _fixture_globals(server, model)["RAN"]
+
+
+def held_rows(server: InProcessServer, model: str) -> dict:
+    """The ``HOLD`` map of ``slow_fp32``'s ``model.py`` (tag -> threading.Event): a batch
+    holding a row whose tag is mapped waits for that event before it returns."""
+    return _fixture_globals(server, model)["HOLD"]
+
+
+def _fixture_globals(server: InProcessServer, model: str) -> dict:
     instance = server.manager.runner(model, None).instances[0]
-    return type(instance.backend.model).forward.__globals__["RAN"]
+    return type(instance.backend.model).forward.__globals__

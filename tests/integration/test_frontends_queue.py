@@ -13,13 +13,14 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import shutil
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from tests.conftest import FIXTURE_REPOSITORY
-from tests.helpers import InProcessServer, ran_rows, wait_queue, wait_until
+from tests.helpers import InProcessServer, held_rows, ran_rows, wait_queue, wait_until
 from tests.integration.frontends import (
     FrontendError,
     Status,
@@ -95,21 +96,32 @@ def test_queue_full_is_resource_exhausted_with_retry_after(small_queue_server, f
 
 def test_a_request_whose_client_gave_up_in_the_queue_never_runs(server, frontend):
     """Over gRPC the deadline cancels the call; over HTTP the client closes the connection,
-    seen when the request's batch forms (BC-11). Either way: counted as cancelled, never run."""
+    seen when the request's batch forms (BC-11). Either way: counted as cancelled, never run.
+    The batch ahead of it is held until then, so however slow the machine, the abandoned
+    request is still queued when its cancellation arrives."""
     before = failure_reasons(server, "slow_fp32").get("cancelled", 0)
     first, late, after = (TAG[frontend.kind] + i for i in (1, 2, 3))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(frontend.infer, "slow_fp32", tagged(first))
-        wait_queue(server.url, "slow_fp32", executing=1)  # a 0.5 s batch runs: the next waits
-        with pytest.raises(FrontendError) as err:
-            frontend.infer("slow_fp32", tagged(late), client_timeout_s=0.2)
-        assert err.value.status == Status.DEADLINE_EXCEEDED
-        assert running.result(10).outputs["OUTPUT0"][0, 0] == 2 * first
-    wait_until(
-        lambda: failure_reasons(server, "slow_fp32").get("cancelled", 0) > before,
-        5.0,
-        "the abandoned request counted as cancelled",
-    )
+
+    def cancelled() -> bool:
+        return failure_reasons(server, "slow_fp32").get("cancelled", 0) > before
+
+    gate = threading.Event()
+    held_rows(server, "slow_fp32")[first] = gate
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(frontend.infer, "slow_fp32", tagged(first))
+            wait_queue(server.url, "slow_fp32", executing=1)  # held: the next one waits
+            with pytest.raises(FrontendError) as err:
+                frontend.infer("slow_fp32", tagged(late), client_timeout_s=0.2)
+            assert err.value.status == Status.DEADLINE_EXCEEDED
+            if frontend.kind == "grpc":  # the handler is cancelled while the batch is held
+                wait_until(cancelled, 10.0, "the abandoned call counted as cancelled")
+            gate.set()
+            assert running.result(10).outputs["OUTPUT0"][0, 0] == 2 * first
+    finally:
+        gate.set()
+        held_rows(server, "slow_fp32").pop(first, None)
+    wait_until(cancelled, 10.0, "the abandoned request counted as cancelled")
     # a request sent now runs after anything queued before it: had the abandoned one been
     # kept, it would have run by the time this one is answered
     assert frontend.infer("slow_fp32", tagged(after)).outputs["OUTPUT0"][0, 0] == 2 * after

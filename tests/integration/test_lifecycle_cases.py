@@ -219,7 +219,9 @@ def test_bc18_unload_load_cycles_under_traffic_answer_every_request_cleanly(tmp_
         results = traffic.snapshot()
         codes = {r.status for r in results}
         assert codes <= {200, 503}, [r.error for r in results if r.status not in (200, 503)][:3]
-        assert sum(r.status == 200 for r in results) > len(results) // 2
+        # each loaded phase served (wait_answered above); how many of all answers were 200
+        # depends on how long loads take on the machine, so no share is asserted
+        assert sum(r.status == 200 for r in results) >= 50 + 5 * 40
         assert not [r for r in results if r.error == "wrong rows"]
         refused = [r.error for r in results if r.status == 503]
         assert all("double_fp32" in e and ("not ready" in e or "unload" in e) for e in refused)
