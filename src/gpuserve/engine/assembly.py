@@ -105,7 +105,15 @@ def kept_tensors(request: InferenceRequest) -> frozenset[str]:
 def wants_tensors(items: Sequence[Pending]) -> bool:
     """Whether a request of the batch takes an output as a device tensor: the instance then
     calls ``Backend.postprocess_tensors`` instead of ``postprocess``."""
-    return any(isinstance(i.request, HandoffRequest) and i.request.keep_tensors for i in items)
+    for item in items:  # a loop, not any(genexpr): this runs for every batch
+        request = item.request
+        if (
+            type(request) is not InferenceRequest
+            and isinstance(request, HandoffRequest)
+            and request.keep_tensors
+        ):
+            return True
+    return False
 
 
 def request_rows(request: InferenceRequest) -> int:
@@ -145,10 +153,12 @@ def stack_inputs(items: Sequence[Pending]) -> dict[str, np.ndarray]:
     stacked: dict[str, Any] = {}
     for name in first:
         parts = [item.request.inputs[name] for item in items]
-        if all(type(part) is np.ndarray for part in parts):
-            stacked[name] = np.concatenate(parts, axis=0)
+        for part in parts:  # a loop, not all(genexpr): this runs for every batch
+            if type(part) is not np.ndarray:
+                stacked[name] = _tensors.concat(parts)
+                break
         else:
-            stacked[name] = _tensors.concat(parts)
+            stacked[name] = np.concatenate(parts, axis=0)
     return stacked
 
 
@@ -226,6 +236,8 @@ def check_sent(spec: OutputSpec, outputs: dict[str, Any]) -> None:
 
 def _fits(shape: Sequence[int], declared: tuple[int, ...]) -> bool:
     """Whether ``shape`` is ``declared`` (``-1``: any size)."""
+    if shape == declared:  # the common case, one tuple comparison
+        return True
     return len(shape) == len(declared) and all(
         d == -1 or d == n for d, n in zip(declared, shape, strict=True)
     )
@@ -290,6 +302,7 @@ def split_outputs(
         outputs = _HostOnDemand(outputs)
     results: list[Outputs | GpuserveError] = []
     whole = len(items) == 1
+    on_demand = outputs if isinstance(outputs, _HostOnDemand) else None
     offset = 0
     for item in items:
         names = item.request.requested_outputs or spec.names
@@ -300,8 +313,8 @@ def split_outputs(
                 results.append(row_error(spec, failed[0] - offset, row_errors[failed[0]]))
                 offset = end
                 continue
-        if isinstance(outputs, _HostOnDemand):
-            results.append(outputs.rows(names, kept_tensors(item.request), offset, end, whole))
+        if on_demand is not None:
+            results.append(on_demand.rows(names, kept_tensors(item.request), offset, end, whole))
         elif whole:
             results.append({name: outputs[name] for name in names})
         else:
