@@ -107,11 +107,7 @@ def wants_tensors(items: Sequence[Pending]) -> bool:
     calls ``Backend.postprocess_tensors`` instead of ``postprocess``."""
     for item in items:  # a loop, not any(genexpr): this runs for every batch
         request = item.request
-        if (
-            type(request) is not InferenceRequest
-            and isinstance(request, HandoffRequest)
-            and request.keep_tensors
-        ):
+        if isinstance(request, HandoffRequest) and request.keep_tensors:
             return True
     return False
 
