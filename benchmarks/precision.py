@@ -110,6 +110,27 @@ def inprocess(precision: str, path: Path, args, layout) -> dict:
     return json.loads(lines[-1])
 
 
+def inprocess_table(precisions: list[str], mixes: dict, args, layout) -> int:
+    """``--inprocess-only``: tokens/s of each precision, rounds interleaved, median and
+    [min-max], and each round's ratio to fp32 of the same round; printed, not saved."""
+    rows: dict[tuple[str, str], list[float]] = {}
+    for rnd in range(args.rounds):
+        for mix, (_texts, _tokens, path) in mixes.items():
+            for p in precisions:
+                tps = inprocess(p, path, args, layout)["tokens_per_s"]
+                rows.setdefault((mix, p), []).append(tps)
+                log(f"round {rnd} {mix} {p} in-process {tps:.0f} tokens/s")
+    print("| mix | precision | tokens/s median [min-max] | x fp32 (same round) median [min-max] |")
+    print("|---|---|---|---|")
+    for (mix, p), values in rows.items():
+        base = rows.get((mix, "fp32"), values)
+        ratios = [v / b for v, b in zip(values, base, strict=True)]
+        print(f"| {mix} | {p} | {statistics.median(values):.0f} [{min(values):.0f}-"
+              f"{max(values):.0f}] | {statistics.median(ratios):.2f} [{min(ratios):.2f}-"
+              f"{max(ratios):.2f}] |")  # fmt: skip
+    return 0
+
+
 # ----------------------------------------------------------------------------- peaks
 def peak_main(dtype: str, seconds: float) -> None:
     """Child: GFLOP/s of a 2048x1024 @ 1024x1024 product in ``dtype`` on one thread."""
@@ -283,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-cpus", default="0")
     ap.add_argument("--base-port", type=int, default=8261)
     ap.add_argument("--quick", action="store_true", help="2 rounds, 2 s points")
+    ap.add_argument("--inprocess-only", action="store_true",
+                    help="only in-process tokens/s per precision and mix")  # fmt: skip
     ap.add_argument("--tag", default="")
     ap.add_argument("--out-dir", type=Path, default=HERE / "results")
     ap.add_argument("--child-inprocess", help=argparse.SUPPRESS)
@@ -316,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         texts = list(built.texts)
         mixes[name] = (texts, [len(e.ids) for e in tokenizer.encode_batch(texts)], path)
         log("corpus", corpus.describe(built))
+
+    if args.inprocess_only:
+        return inprocess_table(precisions, mixes, args, layout)
 
     from gpuserve.bench.accuracy import heldout_texts, measure_accuracy
     from gpuserve.config import default_model_repository

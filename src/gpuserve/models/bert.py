@@ -17,6 +17,7 @@ Only what inference needs is here: no dropout, no pooler, no decoder or cross-at
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuserve.backends.fused_linear import PREPACK_DTYPES, FusedLinear, prepack_all
 from gpuserve.backends.packing import Packing, mean_pool_packed, packed_attention
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "mean_pool_packed",
     "packed_attention",
 ]
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILENAME = "config.json"
 WEIGHTS_FILENAME = "model.safetensors"
@@ -179,11 +183,11 @@ class BertLayer(nn.Module):
         hidden, inner, eps = config.hidden_size, config.intermediate_size, config.layer_norm_eps
         self.num_heads = config.num_attention_heads
         self.head_size = config.head_size
-        self.qkv = nn.Linear(hidden, 3 * hidden, device=device)
-        self.attn_out = nn.Linear(hidden, hidden, device=device)
+        self.qkv = FusedLinear(hidden, 3 * hidden, device=device)
+        self.attn_out = FusedLinear(hidden, hidden, device=device)
         self.attn_norm = nn.LayerNorm(hidden, eps=eps, device=device)
-        self.ffn_in = nn.Linear(hidden, inner, device=device)
-        self.ffn_out = nn.Linear(inner, hidden, device=device)
+        self.ffn_in = FusedLinear(hidden, inner, device=device)
+        self.ffn_out = FusedLinear(inner, hidden, device=device)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, device=device)
 
     def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -195,8 +199,8 @@ class BertLayer(nn.Module):
         tokens, hidden = x.shape
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_size)
         ctx = packed_attention(qkv, packing).reshape(tokens, hidden)
-        x = self.attn_norm(x + self.attn_out(ctx))
-        return self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+        x = self.attn_norm(self.attn_out.forward_add(ctx, x))
+        return self.ffn_norm(self.ffn_out.forward_add(self.ffn_in.forward_gelu(x), x))
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None) -> torch.Tensor:
         """x: [B, L, H]; attn_bias: additive [B, 1, 1, L] in x's dtype, or None -> [B, L, H]."""
@@ -206,8 +210,8 @@ class BertLayer(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
         ctx = ctx.transpose(1, 2).reshape(batch, seq_len, hidden)
-        x = self.attn_norm(x + self.attn_out(ctx))
-        return self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+        x = self.attn_norm(self.attn_out.forward_add(ctx, x))
+        return self.ffn_norm(self.ffn_out.forward_add(self.ffn_in.forward_gelu(x), x))
 
 
 class BertEncoder(nn.Module):
@@ -432,7 +436,9 @@ def load_bert(
         dtype: Floating dtype of the weights and of the computation.
 
     Returns:
-        The encoder in eval mode with ``requires_grad`` off on every parameter.
+        The encoder in eval mode with ``requires_grad`` off on every parameter; at bf16 on
+        the CPU its projections run on oneDNN's prepacked kernels
+        (:mod:`gpuserve.backends.fused_linear`).
 
     Raises:
         CheckpointError: missing files, or a checkpoint that does not match its config
@@ -464,4 +470,8 @@ def load_bert(
     state = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
+    if torch.device(device).type == "cpu" and dtype in PREPACK_DTYPES:
+        problem = prepack_all(model)
+        if problem is not None:
+            logger.warning("BERT projections at %s run unfused on F.linear: %s", dtype, problem)
     return model.eval()
