@@ -32,13 +32,17 @@ Points:
    own venv (``--infinity-python``): gpuserve over infinity (target >= 1.5x at c >= 8).
 
 Every server is started first and the points are interleaved: at each concurrency, each of
-``--rounds`` rounds measures every server in turn.
+``--rounds`` rounds measures every server in turn. A point is a fixed amount of work (each
+caller sends about ``--duration`` seconds' worth at the limit, at least 2 requests), timed
+from the first send to the last answer (see :func:`fixed_work`). ``--precision bf16`` runs
+every server and the limit at bf16 (infinity-emb with ``--dtype bfloat16``).
 
 Before the load the answers are checked: gpuserve's raw scores equal the in-process logits.
 
 Usage::
 
     .venv/bin/python benchmarks/rerank.py --layers 2 --padded --rounds 2    # about 20 minutes
+    .venv/bin/python benchmarks/rerank.py --layers 2 --precision bf16
     .venv/bin/python benchmarks/rerank.py --no-infinity --conc 1,8 --duration 10
 
 Results: ``benchmarks/results/rerank-<date>.md`` and ``.json``. infinity-emb's venv, once (the
@@ -52,6 +56,7 @@ CPU torch wheel on this machine's disk first, so no CUDA build is pulled in)::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -157,13 +162,19 @@ def in_process_limit(
 
 
 def write_repository(
-    root: Path, folder: Path, max_batch: int, max_length: int, unpadded: str = "auto"
+    root: Path,
+    folder: Path,
+    max_batch: int,
+    max_length: int,
+    unpadded: str = "auto",
+    precision: str = "fp32",
 ) -> Path:
-    repo = root / f"repository-{unpadded}"
+    repo = root / f"repository-{unpadded}-{precision}"
     (repo / MODEL / "1").mkdir(parents=True, exist_ok=True)
     (repo / MODEL / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
     (repo / MODEL / "config.yaml").write_text(
         "backend: huggingface\n"
+        f"precision: {precision}\n"
         f"max_batch_size: {max_batch}\n"
         "dynamic_batching: {max_queue_delay_us: 2000}\n"
         "instance_group: [{kind: cpu, count: 1}]\n"
@@ -181,20 +192,84 @@ def start_gpuserve(repo: Path, cpuset: set[int]) -> oe.Server:
     return oe.start("gpuserve", cmd, port, "/v2/health/ready", cpuset)
 
 
-def start_infinity(python: str, folder: Path, cpuset: set[int], max_batch: int) -> oe.Server:
+def start_infinity(
+    python: str, folder: Path, cpuset: set[int], max_batch: int, precision: str
+) -> oe.Server:
     port = oe.free_port()
     cli = str(Path(python).parent / "infinity_emb")
     cmd = [cli, "v2", "--model-id", str(folder), "--served-model-name", MODEL]
+    cmd += ["--dtype", {"fp32": "float32", "bf16": "bfloat16"}[precision]]
     cmd += ["--port", str(port), "--host", "127.0.0.1", "--engine", "torch", "--device", "cpu"]
     cmd += ["--batch-size", str(max_batch), "--no-bettertransformer", "--log-level", "warning"]
     return oe.start("infinity", cmd, port, "/health", cpuset)
 
 
-def window(args: argparse.Namespace, concurrency: int, limit: float) -> float:
-    """Seconds of one point: ``--duration``, or long enough for about four closed-loop rounds
-    of ``concurrency`` requests at the in-process limit (at most ``--max-duration``)."""
-    rounds = 4 * concurrency / limit if limit > 0 else args.duration
-    return min(max(args.duration, rounds), args.max_duration)
+def per_caller(args: argparse.Namespace, concurrency: int, limit: float) -> int:
+    """Requests each caller sends in one point: about ``--duration`` seconds of work at the
+    in-process limit, at least 2 per caller."""
+    return max(2, round(args.duration * limit / concurrency)) if limit > 0 else 2
+
+
+def fixed_work(target: oe.Target, concurrency: int, each: int) -> oe.Point:
+    """``concurrency`` closed-loop callers send ``each`` requests apiece; the rate is every
+    request over the time from the first send to the last answer.
+
+    Why not a timed window: a request here is 100 pairs and takes seconds to minutes at
+    c >= 8, and a server that interleaves every caller's pairs fairly answers them in bursts
+    near the same moment, so counting answers inside a window counts bursts, not work. A
+    fixed amount of work timed to its end has no such edge.
+    """
+    point = asyncio.run(_fixed_work(target, concurrency, each))
+    oe.log(
+        f"{target.server:9s} {target.api:7s} c={concurrency:<3d} {rate(point):8.3f} req/s  "
+        f"p50 {point.p50_ms:9.0f} ms  p99 {point.p99_ms:9.0f} ms  errors {point.errors}"
+    )
+    return point
+
+
+async def _fixed_work(target: oe.Target, concurrency: int, each: int) -> oe.Point:
+    latencies: list[float] = []
+    errors = 0
+    statuses: dict[str, int] = {}
+
+    async def caller(offset: int) -> None:
+        nonlocal errors
+        reader, writer = await asyncio.open_connection("127.0.0.1", target.port)
+        try:
+            for k in range(each):
+                payload = target.requests[(offset + k * concurrency) % len(target.requests)]
+                sent = time.monotonic()
+                writer.write(payload)
+                status, _ = await oe._read_response(reader)
+                if status == 200:
+                    latencies.append(time.monotonic() - sent)
+                else:
+                    errors += 1
+                    statuses[str(status)] = statuses.get(str(status), 0) + 1
+        finally:
+            writer.close()
+
+    started = time.monotonic()
+    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    elapsed = time.monotonic() - started
+    ordered = sorted(latencies) or [0.0]
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    return oe.Point(
+        target.server,
+        target.api,
+        concurrency,
+        elapsed,
+        len(latencies),
+        errors,
+        round(len(latencies) / elapsed, 3),
+        pct(0.5),
+        pct(0.9),
+        pct(0.99),
+        statuses=statuses,
+    )
 
 
 def tei_body(query: str, passages: list[str]) -> bytes:
@@ -217,8 +292,10 @@ def report(args: argparse.Namespace, limit: float, points: list[oe.Point], meta:
         f"Command: `python benchmarks/rerank.py {' '.join(sys.argv[1:])}`",
         "",
         f"Server CPUs {args.server_cpus} (one torch thread), client CPUs {args.client_cpus}; "
-        f"model: MiniLM-L{args.layers}-H384 cross-encoder, max_length {args.max_length}, "
-        f"batches of {args.max_batch} pairs.",
+        f"model: MiniLM-L{args.layers}-H384 cross-encoder at {args.precision} (every "
+        f"server), max_length {args.max_length}, batches of {args.max_batch} pairs. Each point "
+        "is a fixed amount of work (every caller sends the same number of requests), timed "
+        "from the first send to the last answer.",
         "",
         f"In-process limit (same model, same pairs, same CPU): **{limit:.3f} requests/s** "
         f"({limit * args.passages:.1f} pairs/s).",
@@ -269,9 +346,10 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="1")
     parser.add_argument("--client-cpus", default="0")
     parser.add_argument("--conc", default="1,8,32", type=lambda s: [int(c) for c in s.split(",")])
-    parser.add_argument("--duration", type=float, default=30.0)
-    parser.add_argument("--warmup", type=float, default=0.0)
-    parser.add_argument("--max-duration", type=float, default=240.0)
+    parser.add_argument(
+        "--duration", type=float, default=30.0, help="seconds of work per point at the limit"
+    )
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--passages", type=int, default=100)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--layers", type=int, default=6)
@@ -290,12 +368,18 @@ def main() -> None:
     cache = Path(tempfile.gettempdir()) / f"gpuserve-rerank-bench-L{args.layers}"
     folder = build_model(cache / "model", args.layers)
     work = workload(args.passages, args.requests)
-    repo = write_repository(cache, folder, args.max_batch, args.max_length)
+    repo = write_repository(
+        cache, folder, args.max_batch, args.max_length, precision=args.precision
+    )
     oe.log("in-process limit ...")
     limit, logits = in_process_limit(repo, work, server_cpus, args.duration)
     oe.log(f"in-process limit {limit:.3f} requests/s")
     points: list[oe.Point] = []
-    meta: dict = {"limit_rps": limit, "date": dt.date.today().isoformat()}
+    meta: dict = {
+        "limit_rps": limit,
+        "date": dt.date.today().isoformat(),
+        "precision": args.precision,
+    }
     targets: list[oe.Target] = []
     servers: list[oe.Server] = []
     try:
@@ -303,7 +387,9 @@ def main() -> None:
         # (rounds interleaved), so drift of the machine falls on all of them alike
         variants = [("gpuserve", "auto")] + ([("gpuserve-padded", "false")] if args.padded else [])
         for name, unpadded in variants:
-            repo = write_repository(cache, folder, args.max_batch, args.max_length, unpadded)
+            repo = write_repository(
+                cache, folder, args.max_batch, args.max_length, unpadded, args.precision
+            )
             server = start_gpuserve(repo, server_cpus)
             servers.append(server)
             check = {"query": work[0][0], "texts": work[0][1], "raw_scores": True, "model": MODEL}
@@ -314,7 +400,9 @@ def main() -> None:
             requests = [oe.request_bytes("/rerank", tei_body(q, p)) for q, p in work]
             targets.append(oe.Target(name, "tei", server.port, requests))
         if not args.no_infinity and Path(args.infinity_python).exists():
-            server = start_infinity(args.infinity_python, folder, server_cpus, args.max_batch)
+            server = start_infinity(
+                args.infinity_python, folder, server_cpus, args.max_batch, args.precision
+            )
             servers.append(server)
             requests = [oe.request_bytes("/rerank", cohere_body(q, p)) for q, p in work]
             got = oe.post_json(server.port, "/rerank", cohere_body(*work[0]))
@@ -328,7 +416,7 @@ def main() -> None:
         for c in args.conc:
             for round_ in range(args.rounds):
                 for target in targets:
-                    point = oe.load(target, c, window(args, c, limit), args.warmup)
+                    point = fixed_work(target, c, per_caller(args, c, limit))
                     points.append(replace(point, round=round_))
     finally:
         for server in servers:

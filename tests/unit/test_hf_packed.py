@@ -93,6 +93,41 @@ def test_packed_logits_equal_the_padded_model(family, labels):
     np.testing.assert_allclose(again, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_bf16_on_the_cpu_runs_prepacked_and_keeps_the_logits(family):
+    """At bf16 on a CPU the projections run on oneDNN's fused kernels: every layer packed,
+    logits within bf16 rounding of the same bf16 model's padded forward and of fp32."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    model = build(family, 2)
+    rows = rows_for(family)
+    with torch.inference_mode():
+        fp32 = model(**padded(model, rows)).logits
+        model = model.to(torch.bfloat16)
+        want = model(**padded(model, rows)).logits.float()
+        runner = PackedEncoder.of(model, "sequence-classification")
+        got = runner.logits(PackedRows.of(rows, pin=False), torch.device("cpu"))
+    assert runner.prepack_problem is None
+    assert all(m.packed for proj in runner.layers for m in proj.children())
+    scale = float(fp32.abs().max())
+    assert float((got - want).abs().max()) < 0.03 * scale
+    assert float((got - fp32).abs().max()) < 0.03 * scale
+
+
+def test_a_non_gelu_activation_is_applied_after_the_product():
+    config_cls, model_cls = FAMILIES["bert"]
+    torch.manual_seed(0)
+    config = config_cls(**SIZES, num_labels=1, hidden_act="relu", type_vocab_size=2)
+    model = model_cls(config).eval()
+    rows = rows_for("bert")
+    with torch.inference_mode():
+        want = model(**padded(model, rows)).logits.numpy()
+        runner = PackedEncoder.of(model, "sequence-classification")
+        got = runner.logits(PackedRows.of(rows, pin=False), torch.device("cpu")).numpy()
+    assert not runner.fused_gelu
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
 def test_packed_features_equal_pooled_hidden_states(family, pooling):

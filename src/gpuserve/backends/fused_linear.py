@@ -6,9 +6,13 @@ copies the broadcast bias into the output before the product, and runs the GELU 
 residual add as separate passes over memory. :class:`FusedLinear` does what torch's own
 compiler does on a CPU (the mkldnn lowering of ``torch.compile``): the weight is reordered
 once, at load, into oneDNN's blocked layout (:meth:`FusedLinear.prepack`), and the GELU
-(exact, erf) or the residual add runs inside the product's epilogue. On one core here a
-bf16 batch of 32 short sentences through all-MiniLM-L6-v2 runs about 1.5x faster that way
-(``python benchmarks/precision.py --inprocess-only``).
+(exact, erf) or the residual add runs inside the product's epilogue. oneDNN compiles a
+kernel per input shape and caches it; a server's batches come in every token count, so the
+rows are padded to a multiple of :data:`ROW_MULTIPLE` (a few hundred shapes instead of
+thousands, which thrashed the cache: 1.38x on batches of random sizes, one core).
+
+On one core here bf16 all-MiniLM-L6-v2 runs short sentences about 2x faster this way than
+on ``F.linear`` (``python benchmarks/precision.py --inprocess-only``).
 
 Until :meth:`FusedLinear.prepack` succeeds the layer is a plain ``nn.Linear``, and
 :meth:`~FusedLinear.forward_gelu` / :meth:`~FusedLinear.forward_add` compose the same
@@ -32,6 +36,8 @@ __all__ = ["FusedLinear", "prepack_all", "prepack_refusal"]
 PREPACK_DTYPES = (torch.bfloat16,)
 #: Rows the reorder is tuned for (a batch of short sentences); any row count runs.
 ROWS_HINT = 512
+#: Row counts are padded up to a multiple of this (see :func:`_rounded`).
+ROW_MULTIPLE = 32
 
 
 class FusedLinear(nn.Linear):
@@ -41,6 +47,21 @@ class FusedLinear(nn.Linear):
     """
 
     _packed: torch.Tensor | None = None
+
+    @classmethod
+    def sharing(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> FusedLinear:
+        """A layer over existing parameters (another module's), without a copy.
+
+        Args:
+            weight: [out_features, in_features].
+            bias: [out_features], or None.
+        """
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, bias=bias is not None, device="meta")
+        layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return layer
 
     @property
     def packed(self) -> bool:
@@ -61,21 +82,36 @@ class FusedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        rows, flat = _rounded(x)
+        y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], self.out_features)
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(linear(x))`` with the exact (erf) GELU."""
         if self._packed is None:
             return F.gelu(F.linear(x, self.weight, self.bias))
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "gelu", [], "none")
+        rows, flat = _rounded(x)
+        y = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "gelu", [], "none")
+        return y[:rows].view(*x.shape[:-1], self.out_features)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + linear(x)``; ``residual`` has the output's shape and dtype."""
         if self._packed is None:
             return residual + F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise.binary(
-            x, residual, self._packed, self.bias, "add"
-        )
+        rows, flat = _rounded(x)
+        _, other = _rounded(residual)
+        y = torch.ops.mkldnn._linear_pointwise.binary(flat, other, self._packed, self.bias, "add")
+        return y[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def _rounded(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``x`` as 2-d rows padded with zeros to a multiple of :data:`ROW_MULTIPLE`, and its
+    real row count. oneDNN builds (JIT-compiles) a kernel per input shape and keeps it in a
+    cache: a batch of every new token count would pay for a new one."""
+    x = x.reshape(-1, x.shape[-1])
+    rows = x.shape[0]
+    extra = -rows % ROW_MULTIPLE
+    return rows, (F.pad(x, (0, 0, 0, extra)) if extra else x)
 
 
 def prepack_refusal(weight: torch.Tensor) -> str | None:

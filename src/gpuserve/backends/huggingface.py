@@ -219,6 +219,10 @@ class HuggingFaceBackend(Backend):
         self.model.requires_grad_(False)
         self._pin = self.device.type == "cuda"
         self._packed = _packed_runner(self.model, self.task, hf.unpadded, self.device, hf.padding)
+        if self._packed is not None and self._packed.prepack_problem is not None:
+            logger.warning(
+                "model %s: projections run unfused: %s", config.name, self._packed.prepack_problem
+            )
         if self.task == SEQUENCE_CLASSIFICATION and self.model.config.num_labels != len(
             self.labels
         ):
