@@ -77,3 +77,16 @@ def test_packed_forward_equals_padded_forward(encoder):
     for i, n in enumerate(lengths):
         torch.testing.assert_close(packed[start : start + n], padded[i, :n], rtol=1e-4, atol=1e-4)
         start += n
+
+
+def test_padding_rows_past_the_packing_are_ignored_and_come_back_as_zeros():
+    """An encoder pads its packed tokens once for the CPU kernels (row_padded): attention
+    reads only the packing's tokens and answers zeros in the rows past them."""
+    lengths = [3, 7, 2]
+    real = torch.randn(sum(lengths), 3, HEADS, HEAD_SIZE)
+    padded = torch.cat([real, torch.full((20, 3, HEADS, HEAD_SIZE), 1e6)])
+    packing = Packing.of(lengths, "cpu")
+    out = packed_attention(padded, packing)
+    assert out.shape == (sum(lengths) + 20, HEADS, HEAD_SIZE)
+    torch.testing.assert_close(out[: sum(lengths)], packed_attention(real, packing))
+    assert torch.count_nonzero(out[sum(lengths) :]) == 0

@@ -139,3 +139,34 @@ def test_fp32_bert_is_not_packed(tmp_path: Path) -> None:
     folder = write_checkpoint(tmp_path / "tiny", tiny_state())
     model = load_bert(folder)
     assert not any(m.packed for m in model.modules() if isinstance(m, FusedLinear))
+
+
+@pytest.mark.parametrize("tokens", [1, 31, 32, 33, 70])
+def test_packed_bert_pads_once_and_returns_the_real_tokens(tmp_path: Path, tokens: int) -> None:
+    """At bf16 the packed encoder pads its T tokens to a multiple of ROW_MULTIPLE before the
+    first layer (no projection copies its input) and answers exactly T rows, each equal to the
+    same tokens run without padding."""
+    from gpuserve.backends import fused_linear
+
+    folder = write_checkpoint(tmp_path / "tiny", tiny_state())
+    model = load_bert(folder, dtype=torch.bfloat16)
+    lengths = [20] * (tokens // 20) + ([tokens % 20] if tokens % 20 else [])
+    ids = torch.randint(1, 50, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    seen: list[int] = []
+    real_pad = F.pad
+
+    def recording(x: torch.Tensor, pad: tuple[int, ...], *args, **kwargs) -> torch.Tensor:
+        seen.append(int(x.shape[0]))
+        return real_pad(x, pad, *args, **kwargs)
+
+    with torch.inference_mode():
+        fused_linear.F.pad = recording  # type: ignore[assignment]
+        try:
+            got = model.forward_packed(ids, Packing.of(lengths, "cpu"))
+        finally:
+            fused_linear.F.pad = real_pad  # type: ignore[assignment]
+        alone = [model.forward_packed(ids[:n], Packing.of([n], "cpu")) for n in lengths[:1]]
+    assert got.shape[0] == tokens
+    assert seen == ([] if tokens % fused_linear.ROW_MULTIPLE == 0 else [tokens])
+    scale = float(alone[0].abs().max())
+    assert float((got[: lengths[0]].float() - alone[0].float()).abs().max()) < 0.03 * scale

@@ -287,3 +287,25 @@ def test_the_cpu_stage_guard_cuts_only_long_texts_with_the_same_result():
     assert full.encode(out[1]).ids == full.encode(long).ids
     again = bounded_texts(truncator, out)  # a text already cut stays equivalent
     assert full.encode(again[1]).ids == full.encode(long).ids
+
+
+def test_equal_rows_are_measured_once_with_the_same_answers(tokenizer):
+    """A rerank request repeats its query in every row: the query is tokenised once, and
+    each row's answer is what it would be measured alone."""
+    truncator = PrefixTruncator(tokenizer, MAX)
+    texts = corpus(21, 6)
+    rows = [texts[0].encode(), *texts[1:4], texts[0].encode(), texts[0], texts[4], texts[1]]
+    alone = [truncator.measure([row])[0] for row in rows]
+    recorder = Recorder(truncator.tokenizer)
+    truncator.tokenizer = recorder
+    assert truncator.measure(rows) == alone
+    distinct = PrefixTruncator(tokenizer, MAX)
+    distinct.tokenizer = Recorder(distinct.tokenizer)
+    distinct.measure(list(dict.fromkeys(rows)))
+    assert sorted(recorder.chars) == sorted(distinct.tokenizer.chars)
+
+
+def test_a_row_that_is_not_text_is_refused_before_any_work():
+    truncator = PrefixTruncator(minilm(), MAX)
+    with pytest.raises(TypeError, match="expected bytes or str elements, got ndarray"):
+        truncator.measure(["fine", np.zeros(3)])

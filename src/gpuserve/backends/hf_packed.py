@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gpuserve.backends.fused_linear import FusedLinear, prepack_all, prepack_refusal
+from gpuserve.backends.fused_linear import FusedLinear, prepack_all, prepack_refusal, row_padded
 from gpuserve.backends.packing import Packing, mean_pool_packed, packed_attention
 
 #: ``config.model_type`` of the families this module runs, and the attribute of the task
@@ -127,6 +127,9 @@ class PackedEncoder:
         else:
             x = x + emb.token_type_embeddings.weight[0]
         x = emb.LayerNorm(x + emb.position_embeddings(self._positions(ids, packing)))
+        real = x.shape[0]
+        if self.layers and self.layers[0].qkv.packed:  # pad once, not in every projection
+            x = row_padded(x)
         tokens, width = x.shape
         for layer, proj in zip(self.encoder.encoder.layer, self.layers, strict=True):
             qkv = proj.qkv(x).view(tokens, 3, self.heads, self.head_size)
@@ -137,7 +140,7 @@ class PackedEncoder:
             else:
                 inner = layer.intermediate.intermediate_act_fn(proj.ffn_in(x))
             x = layer.output.LayerNorm(proj.ffn_out.forward_add(inner, x))
-        return x, packing
+        return x[:real], packing
 
     def logits(self, rows: PackedRows, device: torch.device) -> torch.Tensor:
         """Sequence classification: float32 [B, num_labels], as the model's ``logits``."""

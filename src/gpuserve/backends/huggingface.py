@@ -196,12 +196,15 @@ class HuggingFaceBackend(Backend):
         self.max_length = _max_length(hf.max_length, info, self.tokenizer)
         # The admission step's own copy of the tokenizer's Rust core (thread-safe; the CPU
         # stage's transformers tokenizer changes its settings per call).
+        self._direction = str(getattr(self.tokenizer, "truncation_side", "right"))
         self._truncator = PrefixTruncator(
             self.tokenizer.backend_tokenizer,
             self.max_length,
             strict=not self.truncation,
-            direction=getattr(self.tokenizer, "truncation_side", "right"),
+            direction=self._direction,
         )
+        # The CPU stage's copy for pairs (its truncation is set call by call).
+        self._pair_tokenizer = PrefixTruncator.copy_of(self.tokenizer.backend_tokenizer)
         if self.pair_input is not None:
             self._step = partial(
                 hf_text.admit_pairs,
@@ -300,12 +303,14 @@ class HuggingFaceBackend(Backend):
                     )
                     firsts[row], seconds[row] = "", ""
         if self._packed is not None:
-            rows = hf_text.pair_rows(self.tokenizer, firsts, seconds, self.max_length)
+            rows = hf_text.pair_rows(
+                self._pair_tokenizer, firsts, seconds, self.max_length, self._direction
+            )
             if "token_type_ids" not in self._input_names:
                 rows = [{"input_ids": row["input_ids"]} for row in rows]
             return TokenBatch({}, errors, PackedRows.of(rows, self._pin))
         encoded = hf_text.encode_pairs(
-            self.tokenizer, firsts, seconds, self.max_length, self.padding
+            self.tokenizer, self._pair_tokenizer, firsts, seconds, self.max_length, self.padding
         )
         features = {k: v for k, v in encoded.items() if k in self._input_names}
         if self._pin:

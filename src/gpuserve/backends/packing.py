@@ -43,23 +43,29 @@ def packed_attention(qkv: torch.Tensor, packing: Packing) -> torch.Tensor:
     """Self-attention of each sequence over its own tokens, without padding.
 
     Args:
-        qkv: [T, 3, heads, head_size], the fused projections of the packed tokens.
+        qkv: [T', 3, heads, head_size], the fused projections of the packed tokens; rows past
+            the packing's T tokens (``T' >= T``: padding for the CPU kernels, see
+            :func:`~gpuserve.backends.fused_linear.row_padded`) are ignored.
         packing: Where the sequences lie.
 
     Returns:
-        [T, heads, head_size]. On CUDA, one ``scaled_dot_product_attention`` call over jagged
-        nested tensors (flash / memory-efficient varlen kernels); elsewhere (no CPU kernel
-        takes jagged tensors) one call per sequence on its slice, as a batch of one: with
-        3-d inputs ([heads, L, d]) torch's CPU attention leaves its fused kernel for a path
-        ~4x slower (L = 185, one core), which made packed rows ~14% slower than alone.
+        [T', heads, head_size], zeros in the rows past T. On CUDA, one
+        ``scaled_dot_product_attention`` call over jagged nested tensors (flash /
+        memory-efficient varlen kernels); elsewhere (no CPU kernel takes jagged tensors) one
+        call per sequence on its slice, as a batch of one: with 3-d inputs ([heads, L, d])
+        torch's CPU attention leaves its fused kernel for a path ~4x slower (L = 185, one core),
+        which made packed rows ~14% slower than alone.
     """
+    extra = qkv.shape[0] - sum(packing.lengths)
     if qkv.device.type == "cuda":
         offsets = packing.offsets
+        qkv = qkv[: qkv.shape[0] - extra] if extra else qkv
         q, k, v = (
             torch.nested.nested_tensor_from_jagged(qkv[:, i], offsets).transpose(1, 2)
             for i in range(3)
         )
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
+        ctx = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
+        return F.pad(ctx, (0, 0, 0, 0, 0, extra)) if extra else ctx
     parts = []
     start = 0
     for length in packing.lengths:
@@ -67,6 +73,8 @@ def packed_attention(qkv: torch.Tensor, packing: Packing) -> torch.Tensor:
         q, k, v = qkv[start : start + length].permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
         parts.append(F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1))
         start += length
+    if extra:
+        parts.append(qkv.new_zeros(extra, qkv.shape[2], qkv.shape[3]))
     return torch.cat(parts, dim=0)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuserve.backends.fused_linear import PREPACK_DTYPES, FusedLinear, prepack_all
+from gpuserve.backends.fused_linear import PREPACK_DTYPES, FusedLinear, prepack_all, row_padded
 from gpuserve.backends.packing import Packing, mean_pool_packed, packed_attention
 
 __all__ = [
@@ -191,7 +191,8 @@ class BertLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, device=device)
 
     def forward_packed(self, x: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """x: [T, H], the real tokens of every sequence back to back -> [T, H].
+        """x: [T', H], the real tokens of every sequence back to back (then any padding
+        rows, ``T' >= T``) -> [T', H].
 
         Projections and the feed-forward block run on real tokens only; attention runs per
         sequence (see :func:`packed_attention`).
@@ -293,9 +294,13 @@ class BertEncoder(nn.Module):
         emb = self.embeddings
         x = emb.word_embeddings(input_ids) + emb.token_type_embeddings.weight[0]
         x = emb.layer_norm(x + emb.position_embeddings(packing.positions))
-        for layer in self.layers:
-            x = cast(BertLayer, layer).forward_packed(x, packing)
-        return x
+        real = x.shape[0]
+        layers = [cast(BertLayer, layer) for layer in self.layers]
+        if layers and layers[0].qkv.packed:  # pad once, not in every projection
+            x = row_padded(x)
+        for layer in layers:
+            x = layer.forward_packed(x, packing)
+        return x[:real]
 
 
 def _attention_bias(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

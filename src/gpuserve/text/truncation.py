@@ -146,9 +146,7 @@ class PrefixTruncator:
         first_chars: int | None = None,
         cap_chars: int | None = None,
     ) -> None:
-        own = type(tokenizer).from_str(tokenizer.to_str())
-        own.no_truncation()
-        own.no_padding()
+        own = self.copy_of(tokenizer)
         self.tokenizer = own
         self.max_length = max_length
         self.strict = strict
@@ -158,8 +156,18 @@ class PrefixTruncator:
         self.first_chars = first_chars or max_length * FIRST_CHARS_PER_TOKEN
         self.cap_chars = max(self.first_chars, cap_chars or max_length * CAP_CHARS_PER_TOKEN)
 
+    @staticmethod
+    def copy_of(tokenizer: Any) -> Any:
+        """A copy of a ``tokenizers.Tokenizer`` that shares no state with it, truncation and
+        padding off."""
+        own = type(tokenizer).from_str(tokenizer.to_str())
+        own.no_truncation()
+        own.no_padding()
+        return own
+
     def measure(self, items: Sequence[bytes | str]) -> list[RowLength]:
-        """One :class:`RowLength` per element, in order.
+        """One :class:`RowLength` per element, in order; equal elements are measured once
+        (a rerank request repeats its query in each of its rows).
 
         Args:
             items: B elements of a BYTES input (UTF-8 ``bytes`` or ``str``).
@@ -167,6 +175,16 @@ class PrefixTruncator:
         Raises:
             TypeError: an element is neither ``bytes`` nor ``str``.
         """
+        for item in items:
+            if not isinstance(item, (bytes, str)):
+                raise TypeError(f"expected bytes or str elements, got {type(item).__name__}")
+        distinct = list(dict.fromkeys(items))
+        if len(distinct) == len(items):
+            return self._measure(items)
+        measured = dict(zip(distinct, self._measure(distinct), strict=True))
+        return [measured[item] for item in items]
+
+    def _measure(self, items: Sequence[bytes | str]) -> list[RowLength]:
         if not self.cuts:
             return self._whole([decode_prefix(item, 1 << 62)[0] for item in items])
         results: list[RowLength | _Exact | None] = [None] * len(items)
