@@ -44,6 +44,8 @@ sys.path.insert(0, str(HERE))
 import corpus  # noqa: E402
 import mixed_length_servers as servers  # noqa: E402
 
+from gpuserve.backends import cpu_features  # noqa: E402
+
 PRECISIONS = ("fp32", "bf16", "int8")
 FLOP_PER_TOKEN = 2 * 6 * 384 * (1152 + 384 + 2 * 1536)
 MAX_SEQ_LEN = 256
@@ -255,6 +257,7 @@ def render(doc: dict) -> str:
            f"client CPU {doc['info']['client_cpus']} · load average "
            f"{doc['info']['loadavg_start'][0]:.2f} -> {doc['info']['loadavg_end'][0]:.2f} · "
            f"{doc['info']['rounds']} interleaved rounds, median shown, [min-max] after", ""]  # fmt: skip
+    out += [f"Not run: {p} ({why})." for p, why in doc["info"].get("left_out", {}).items()]
     out += ["## Accuracy against fp32 (held-out sentences)", "",
             "| precision | cosine min | cosine mean | max abs error | recall@10 |",
             "|---|---|---|---|---|"]  # fmt: skip
@@ -322,12 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.seconds, args.inprocess_seconds = 2, 2.0, 2.0
     precisions = [p for p in args.precisions.split(",") if p]
+    refusal = cpu_features.bf16_refusal()
+    if "bf16" in precisions and refusal is not None:  # the server would refuse to load it
+        log(f"bf16 left out: {refusal}")
+        precisions.remove("bf16")
     conc = [int(c) for c in args.conc.split(",")]
     layout = servers.Layout({int(c) for c in args.server_cpus.split(",")},
                             {int(c) for c in args.client_cpus.split(",")})  # fmt: skip
     stamp = dt.datetime.now()
     work = Path(tempfile.mkdtemp(prefix="precision-bench-"))
     info = {"date": stamp.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+            "left_out": {"bf16": refusal} if refusal and "bf16" in args.precisions else {},
             "loadavg_start": os.getloadavg(), "server_cpus": args.server_cpus,
             "client_cpus": args.client_cpus, "rounds": args.rounds}  # fmt: skip
     tokenizer = servers_tokenizer()

@@ -363,6 +363,11 @@ def main() -> None:
     )
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    if args.precision == "bf16":
+        from gpuserve.backends.cpu_features import bf16_refusal
+
+        if (refusal := bf16_refusal()) is not None:  # the server would refuse to load it
+            raise SystemExit(f"--precision bf16: {refusal}")
     server_cpus, client_cpus = oe.cpus(args.server_cpus), oe.cpus(args.client_cpus)
     os.sched_setaffinity(0, client_cpus)
     cache = Path(tempfile.gettempdir()) / f"gpuserve-rerank-bench-L{args.layers}"

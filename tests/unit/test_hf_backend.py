@@ -193,6 +193,27 @@ def test_classification_equals_transformers_forward(classifier_dir):
     assert out["LABEL"][:, 0].tolist() == names
 
 
+def test_bf16_on_a_cpu_needs_the_instruction_set(classifier_dir, monkeypatch):
+    """The huggingface backend refuses bf16 on a CPU without bf16 dot products, as every CPU
+    execution does (emulated bf16 is many times slower than fp32), and runs it where the
+    cores have them, with logits within bf16 rounding of fp32's."""
+    from gpuserve.backends import cpu_features
+
+    config = make_config(
+        precision="bf16",
+        huggingface={"task": "sequence-classification"},
+        outputs=[{"name": "LOGITS", "datatype": "FP32", "shape": [3]}],
+    )
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    with pytest.raises(ValueError, match=r"AVX-512 BF16 or AMX-BF16.*avx512_bf16"):
+        load(config, classifier_dir)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    out = run(load(config, classifier_dir), SENTENCES)
+    expected = reference_logits(classifier_dir, SENTENCES)
+    assert out["LOGITS"].dtype == np.float32
+    np.testing.assert_allclose(out["LOGITS"], expected, atol=0.03 * np.abs(expected).max())
+
+
 def test_rows_over_max_length_fail_alone_without_truncation(classifier_dir):
     config = make_config(
         huggingface={"task": "sequence-classification", "max_length": 8, "truncation": False}

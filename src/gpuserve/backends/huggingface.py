@@ -65,6 +65,7 @@ from gpuserve.backends.base import (
     RowErrors,
     Token,
 )
+from gpuserve.backends.cpu_features import require_cpu_precision
 from gpuserve.backends.hf_folder import (
     DEFAULT_MAX_LENGTH,
     FEATURE_EXTRACTION,
@@ -165,6 +166,10 @@ class HuggingFaceBackend(Backend):
     def load(self, context: LoadContext) -> None:
         import torch
 
+        if torch.device(context.device).type == "cpu":
+            # the same refusal as every CPU execution: bf16 without bf16 dot products is
+            # emulated, many times slower than fp32 (before any weight is read)
+            require_cpu_precision(context.precision)
         transformers = import_transformers()
         config = complete_hf_config(context.config, context.version_path)
         hf = config.huggingface
