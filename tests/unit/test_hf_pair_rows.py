@@ -15,9 +15,10 @@ from tests.fixtures.hf_models import minilm_dir
 
 MAX = 48
 QUERY = "what does the fox jump over"
-PASSAGES = [
-    "the quick brown fox jumps over the lazy dog " * n for n in (1, 3, 9, 20)
-] + ["", "naïve café Ünïcödé 東京 " * 7]
+PASSAGES = ["the quick brown fox jumps over the lazy dog " * n for n in (1, 3, 9, 20)] + [
+    "",
+    "naïve café Ünïcödé 東京 " * 7,
+]
 LONG_QUERY = "why " * 60
 
 

@@ -103,8 +103,23 @@ def test_bf16_refused_naming_the_missing_instruction_set():
     assert "avx512_bf16" in str(err.value) and "amx_bf16" in str(err.value)
     cpu_features.require_cpu_precision("bf16", lambda: frozenset({"avx512_bf16"}))
     cpu_features.require_cpu_precision("bf16", lambda: frozenset({"amx_bf16"}))
-    cpu_features.require_cpu_precision("int8", without)  # int8 runs without VNNI
     cpu_features.require_cpu_precision("fp32", frozenset)
+
+
+def test_int8_without_int8_products_loads_with_a_warning(caplog):
+    """int8 runs on a core without VNNI or AMX (it is refused nowhere), but says it may be
+    slower than fp32 there, naming the instruction sets it lacks."""
+    caplog.set_level("WARNING", logger="gpuserve.backends.cpu_features")
+    cpu_features.require_cpu_precision("int8", lambda: frozenset({"avx2", "fma"}))
+    [record] = caplog.records
+    assert "without int8 dot products" in record.message
+    assert all(flag in record.message for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    assert "slower than fp32" in record.message
+    caplog.clear()
+    for flags in ({"avx512_vnni"}, {"avx_vnni"}, {"amx_int8"}):
+        cpu_features.require_cpu_precision("int8", lambda f=flags: frozenset(f))
+    cpu_features.require_cpu_precision("fp32", lambda: frozenset({"avx2"}))
+    assert caplog.records == []
 
 
 def test_accuracy_budget_parsing_and_verdicts():

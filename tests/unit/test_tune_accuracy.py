@@ -69,6 +69,27 @@ def test_loose_budget_picks_the_fastest_lower_precision(tmp_path):
     parse_model_config(result.config, tmp_path / "config.yaml", "toy")
 
 
+def test_a_precision_that_does_not_load_is_excluded_alone(tmp_path):
+    """bf16 refused at load (a CPU without bf16 products): excluded with the reason; int8
+    is still measured, and chosen under a loose budget."""
+    tuner, asked = make(tmp_path, AccuracyBudget(min_cosine=0.95, min_recall=0.85))
+    measured = tuner._probe
+
+    def refusing(precisions):
+        if "bf16" in precisions:
+            asked.append(list(precisions))
+            raise ValueError("precision bf16 on a CPU needs the AVX-512 BF16 instruction set")
+        return measured(precisions)
+
+    tuner._probe = refusing
+    result = tuner.run()
+    assert asked == [["bf16", "int8"], ["bf16"], ["int8"]]
+    assert list(result.excluded) == ["bf16"]
+    assert "accuracy not measured: ValueError" in result.excluded["bf16"]
+    assert "AVX-512 BF16" in result.excluded["bf16"]
+    assert result.winner.candidate.precision == "int8"
+
+
 def test_tight_budget_keeps_fp32(tmp_path):
     tuner, _ = make(tmp_path, AccuracyBudget(min_cosine=0.99999, min_recall=0.999))
     result = tuner.run()

@@ -3,17 +3,22 @@
 bf16 on a CPU runs at its speed only on cores with bf16 dot products (AVX-512 BF16, or AMX
 tiles on recent Xeons); elsewhere torch emulates it, slower than fp32. So a CPU instance
 with ``bf16`` on a core without them is refused at load, with the missing instruction set
-named, rather than served slower than the precision it replaces.
+named, rather than served slower than the precision it replaces. ``int8`` still runs on a
+core without int8 dot products (VNNI, AMX), where it is often no faster than fp32: that
+load logs a warning naming the missing instruction set.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 #: ``/proc/cpuinfo`` flags any one of which gives bf16 matrix products their speed.
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-#: Flags of the int8 dot products (VNNI); int8 runs without them, only slower.
+#: Flags of the int8 dot products (VNNI, AMX); int8 runs without them, often slower than fp32.
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
 
 CpuFlagProbe = Callable[[], frozenset[str]]
@@ -49,13 +54,35 @@ def bf16_refusal(probe: CpuFlagProbe | None = None) -> str | None:
     )
 
 
+def int8_caveat(probe: CpuFlagProbe | None = None) -> str | None:
+    """Why int8 may be no faster than fp32 on this CPU, or None when it has int8 products.
+
+    Args:
+        probe: As for :func:`bf16_refusal`.
+    """
+    flags = (probe or cpu_flags)()
+    if any(flag in flags for flag in INT8_FLAGS):
+        return None
+    return (
+        "precision int8 on a CPU without int8 dot products (cpu flag "
+        f"{', '.join(INT8_FLAGS[::-1])}): its int8 kernels widen every product in software "
+        "and may run slower than fp32 here; compare the two with benchmarks/precision.py "
+        "or gpuserve tune"
+    )
+
+
 def require_cpu_precision(precision: str, probe: CpuFlagProbe | None = None) -> None:
-    """Refuse a CPU precision the cores cannot run at speed.
+    """Refuse a CPU precision the cores cannot run at speed; warn of one that may be slow.
 
     Raises:
         ValueError: ``bf16`` without :data:`BF16_FLAGS`, naming the instruction set.
+            (``int8`` without :data:`INT8_FLAGS` loads, with :func:`int8_caveat` logged.)
     """
     if precision == "bf16":
         reason = bf16_refusal(probe)
         if reason is not None:
             raise ValueError(reason)
+    elif precision == "int8":
+        caveat = int8_caveat(probe)
+        if caveat is not None:
+            logger.warning(caveat)

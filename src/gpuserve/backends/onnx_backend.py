@@ -239,8 +239,10 @@ class OnnxBackend(Backend):
                     f"model {config.name}: precision int8 on backend 'onnx' runs on CPU "
                     f"instances; this one is on {context.device}"
                 )
+            from gpuserve.backends.cpu_features import require_cpu_precision
             from gpuserve.backends.onnx_precision import open_int8
 
+            require_cpu_precision(config.precision)  # warns on a core without int8 products
             with first_use("onnxruntime", ("CPUExecutionProvider",)):
                 self.session = open_int8(
                     ort, path, session_options(config.onnx, ort), config, context.version_path

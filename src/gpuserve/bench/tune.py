@@ -449,10 +449,15 @@ class Tuner:
         lower = [p for p in wanted if p != "fp32"]
         try:
             reports = self._probe(lower) if lower else []
-        except Exception as err:  # a precision that does not load: none of them is chosen
-            reason = f"accuracy not measured: {type(err).__name__}: {err}"[:300]
-            self.excluded = {p: reason for p in lower}
+        except Exception:  # one at a time: a precision that does not load excludes itself
             reports = []
+            for precision in lower:
+                try:
+                    reports += self._probe([precision])
+                except Exception as err:  # e.g. bf16 refused on a CPU without bf16 products
+                    reason = f"accuracy not measured: {type(err).__name__}: {err}"[:300]
+                    self.excluded[precision] = reason
+                    self.log(f"accuracy {precision}: {reason} -> excluded")
         for report in reports:
             self.accuracy[report.precision] = report
             problem = budget.problem(report)
