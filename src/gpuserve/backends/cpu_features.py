@@ -37,6 +37,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def _has_any(wanted: tuple[str, ...], probe: CpuFlagProbe | None) -> bool:
+    """Whether the CPU has one of ``wanted`` (``probe`` None: :func:`cpu_flags`, looked up at
+    the call)."""
+    flags = (probe or cpu_flags)()
+    return any(flag in flags for flag in wanted)
+
+
 def bf16_refusal(probe: CpuFlagProbe | None = None) -> str | None:
     """Why bf16 cannot run at speed on this CPU, or None when it can.
 
@@ -44,8 +51,7 @@ def bf16_refusal(probe: CpuFlagProbe | None = None) -> str | None:
         probe: Returns the CPU's flags; None: :func:`cpu_flags`, looked up at the call (so
             tests may replace the module's ``cpu_flags``).
     """
-    flags = (probe or cpu_flags)()
-    if any(flag in flags for flag in BF16_FLAGS):
+    if _has_any(BF16_FLAGS, probe):
         return None
     return (
         "precision bf16 on a CPU needs the AVX-512 BF16 or AMX-BF16 instruction set "
@@ -60,8 +66,7 @@ def int8_caveat(probe: CpuFlagProbe | None = None) -> str | None:
     Args:
         probe: As for :func:`bf16_refusal`.
     """
-    flags = (probe or cpu_flags)()
-    if any(flag in flags for flag in INT8_FLAGS):
+    if _has_any(INT8_FLAGS, probe):
         return None
     return (
         "precision int8 on a CPU without int8 dot products (cpu flag "
