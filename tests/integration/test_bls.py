@@ -100,3 +100,17 @@ def test_a_cycle_of_two_models_fails_within_its_timeouts(server):
         again = infer(server, model, np.zeros((1, 4), np.float32))
         assert time.monotonic() - started < 10
         assert "no answer within 0.3 s" in again.json()["error"]
+
+
+def test_a_timed_out_cycle_stops_calling(tmp_path_factory):
+    """The hop of a cycle left running when its caller timed out is refused its own call at
+    once, so the two models go quiet: stopping the server does not wait out its drain
+    timeout (30 s) behind calls that ping-pong forever."""
+    running = InProcessServer(bls_repository(tmp_path_factory.mktemp("cycle")))
+    try:
+        answer = infer(running, "cycle_a", np.zeros((1, 4), np.float32))
+        assert "no answer within 0.3 s" in answer.json()["error"]
+    finally:
+        started = time.monotonic()
+        running.stop()
+    assert time.monotonic() - started < 10

@@ -15,7 +15,11 @@ other traffic) and waits for its answer, never forever:
 * every other wait is bounded by a timeout (``timeout_s``, default :data:`DEFAULT_TIMEOUT_S`):
   a cycle of models calling each other, or a callee that is overloaded, fails the call with a
   503 naming both models instead of hanging the instance; the late request is taken out of the
-  callee's queue.
+  callee's queue;
+* a call made while serving a request that is itself a call waits no longer than that
+  request is awaited, and is refused at once once it no longer is
+  (:mod:`~gpuserve.backends.call_scope`): a timed-out hop of a cycle does not leave the next
+  hop running, calling on, after its caller has given up.
 
 Inputs are checked against the callee's configuration before queuing (names, datatypes, batch
 dimension), as the protocol layer checks a client's.
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from gpuserve.backends import call_scope
 from gpuserve.config import ModelConfig
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.engine import tracing
@@ -113,8 +119,12 @@ class InProcessCaller:
         outputs: Sequence[str] | None = None,
         request_id: str | None = None,
         parameters: Mapping[str, Any] | None = None,
+        awaited_until: float | None = None,
     ) -> concurrent.futures.Future[InferenceResponse]:
         """Queue a call and return its (thread-safe) future at once.
+
+        ``awaited_until``: monotonic time (s) after which the caller stops waiting (the
+        request's own calls wait no longer), None for no bound.
 
         Raises:
             InvalidInputError: called from the event loop's thread, or the model calls itself.
@@ -139,6 +149,7 @@ class InProcessCaller:
             requested_outputs=list(outputs) if outputs is not None else None,
             id=request_id,
             parameters=dict(parameters or {}),
+            awaited_until=awaited_until,
         )
         parent = tracing.current_request_trace()  # a traced request's batch is running here
         if parent is not None:
@@ -202,6 +213,15 @@ class InProcessCaller:
                 RequestTimeoutError after ``timeout_s``.
         """
         limit = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        until = call_scope.awaited_until()  # the request being served is itself a call
+        if until is not None:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise RequestTimeoutError(
+                    f"model '{self.caller}' calling model '{model}': the request being "
+                    "served is no longer awaited (its own caller's timeout has passed)"
+                )
+            limit = min(limit, round(left, 3) or left)
         future = self.submit(
             model,
             inputs,
@@ -209,6 +229,7 @@ class InProcessCaller:
             outputs=outputs,
             request_id=request_id,
             parameters=parameters,
+            awaited_until=time.monotonic() + limit,
         )
         try:
             return future.result(limit)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpuserve.backends import call_scope
 from gpuserve.backends.base import Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
@@ -307,10 +308,13 @@ class Instance:
         traced = tracing.state.on  # a BLS call from forward nests under a traced request
         if traced:
             tracing.enter_batch(job.batch.items)
+        # a call made from forward waits no longer than the batch's requests are awaited
+        call_scope.enter_batch(item.request.awaited_until for item in job.batch.items)
         try:
             job.raw = self.backend.forward(job.prepared)
         except BaseException as err:
             self._fail(job, err)
+        call_scope.leave_batch()
         if traced:
             tracing.leave_batch()
         self._trace.end()

@@ -91,6 +91,10 @@ class InferenceRequest:
         cost: Lengths per row from the model's admission step, or None when the model
             declares none (every row then counts as one unit).
         trace: The request's trace when tracing sampled it, else None.
+        awaited_until: Monotonic time (s) after which its caller no longer waits for the
+            answer (a model's call with a timeout), or None: until answered. Calls the
+            request's model makes while it runs wait no longer
+            (:mod:`gpuserve.backends.call_scope`).
     """
 
     model_name: str
@@ -104,6 +108,7 @@ class InferenceRequest:
     is_cancelled: Callable[[], bool] | None = None
     cost: RequestCost | None = None
     trace: RequestTrace | None = None
+    awaited_until: float | None = None
 
 
 @dataclass(slots=True)

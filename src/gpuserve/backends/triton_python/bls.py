@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from gpuserve.backends import call_scope
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.errors import (
     CancelledRequestError,
@@ -154,4 +155,7 @@ async def async_exec_request(request: pb_utils.InferenceRequest, decoupled: bool
     several calls of one ``async def execute`` run at once (``asyncio.gather``)."""
     caller = _current()
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, run, request, caller, decoupled)
+    until = call_scope.awaited_until()  # the worker thread serves the same batch
+    return await loop.run_in_executor(
+        None, call_scope.within, until, run, request, caller, decoupled
+    )
