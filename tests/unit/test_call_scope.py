@@ -1,6 +1,6 @@
 """gpuserve.backends.call_scope with the in-process caller: a call made while serving a
-request that is itself a call waits no longer than that request is awaited, and is refused
-at once when it no longer is (what ends a cycle of models after its first timeout)."""
+request that is itself a call passes that request's deadline on, and is refused at once
+when it has passed (what ends a cycle of models after its first timeout)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_call_outside_any_call_waits_its_own_timeout():
     assert until is not None and before + 0.3 <= until <= time.monotonic() + 0.3
 
 
-def test_a_call_serving_a_call_waits_no_longer_than_it_is_awaited():
+def test_a_call_serving_a_call_passes_its_deadline_on():
     caller = Recording()
     outer = time.monotonic() + 0.1
     call_scope.within(outer, lambda: caller("b", {}, timeout_s=30.0))

@@ -3,8 +3,9 @@
 A model that calls another model (:mod:`gpuserve.engine.calls`) gives up on its call after a
 timeout; the callee's request may be running by then, and whatever *it* calls in turn would
 otherwise run on, unawaited. In a cycle of models calling each other that never ends: each
-timed-out hop leaves the next one running. So a call made while a batch runs waits no longer
-than the batch's requests are awaited, and is refused at once when none of them is.
+timed-out hop leaves the next one running. So a call made while a batch runs passes the
+batch's deadline on (the callee's request is awaited no longer than the batch's requests),
+and is refused at once when none of them is awaited any more.
 
 The instance driver marks the batch (:func:`enter_batch` / :func:`leave_batch`) around its
 ``forward``; :class:`~gpuserve.engine.calls.InProcessCaller` reads :func:`awaited_until`

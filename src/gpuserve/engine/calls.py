@@ -16,10 +16,10 @@ other traffic) and waits for its answer, never forever:
   a cycle of models calling each other, or a callee that is overloaded, fails the call with a
   503 naming both models instead of hanging the instance; the late request is taken out of the
   callee's queue;
-* a call made while serving a request that is itself a call waits no longer than that
-  request is awaited, and is refused at once once it no longer is
-  (:mod:`~gpuserve.backends.call_scope`): a timed-out hop of a cycle does not leave the next
-  hop running, calling on, after its caller has given up.
+* a call made while serving a request that is itself a call passes that request's deadline
+  on (its callee's request is awaited no longer), and is refused at once once the deadline
+  has passed (:mod:`~gpuserve.backends.call_scope`): a timed-out hop of a cycle does not
+  leave the next hop running, calling on, after its caller has given up.
 
 Inputs are checked against the callee's configuration before queuing (names, datatypes, batch
 dimension), as the protocol layer checks a client's.
@@ -213,15 +213,18 @@ class InProcessCaller:
                 RequestTimeoutError after ``timeout_s``.
         """
         limit = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        now = time.monotonic()
+        awaited = now + limit
         until = call_scope.awaited_until()  # the request being served is itself a call
         if until is not None:
-            left = until - time.monotonic()
-            if left <= 0:
+            if until <= now:
                 raise RequestTimeoutError(
                     f"model '{self.caller}' calling model '{model}': the request being "
                     "served is no longer awaited (its own caller's timeout has passed)"
                 )
-            limit = min(limit, round(left, 3) or left)
+            # the callee's request is awaited no longer than the one it serves, so a chain
+            # of calls never outlives its first caller's patience
+            awaited = min(awaited, until)
         future = self.submit(
             model,
             inputs,
@@ -229,7 +232,7 @@ class InProcessCaller:
             outputs=outputs,
             request_id=request_id,
             parameters=parameters,
-            awaited_until=time.monotonic() + limit,
+            awaited_until=awaited,
         )
         try:
             return future.result(limit)

@@ -308,7 +308,7 @@ class Instance:
         traced = tracing.state.on  # a BLS call from forward nests under a traced request
         if traced:
             tracing.enter_batch(job.batch.items)
-        # a call made from forward waits no longer than the batch's requests are awaited
+        # a call made from forward passes on how long the batch's requests are awaited
         call_scope.enter_batch(item.request.awaited_until for item in job.batch.items)
         try:
             job.raw = self.backend.forward(job.prepared)

@@ -93,8 +93,8 @@ class InferenceRequest:
         trace: The request's trace when tracing sampled it, else None.
         awaited_until: Monotonic time (s) after which its caller no longer waits for the
             answer (a model's call with a timeout), or None: until answered. Calls the
-            request's model makes while it runs wait no longer
-            (:mod:`gpuserve.backends.call_scope`).
+            request's model makes while it runs pass it on, and are refused once it has
+            passed (:mod:`gpuserve.backends.call_scope`).
     """
 
     model_name: str
