@@ -326,17 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.seconds, args.inprocess_seconds = 2, 2.0, 2.0
     precisions = [p for p in args.precisions.split(",") if p]
-    refusal = cpu_features.bf16_refusal()
-    if "bf16" in precisions and refusal is not None:  # the server would refuse to load it
-        log(f"bf16 left out: {refusal}")
+    left_out: dict[str, str] = {}
+    if "bf16" in precisions and (refusal := cpu_features.bf16_refusal()) is not None:
+        log(f"bf16 left out: {refusal}")  # the server would refuse to load it
         precisions.remove("bf16")
+        left_out["bf16"] = refusal
     conc = [int(c) for c in args.conc.split(",")]
     layout = servers.Layout({int(c) for c in args.server_cpus.split(",")},
                             {int(c) for c in args.client_cpus.split(",")})  # fmt: skip
     stamp = dt.datetime.now()
     work = Path(tempfile.mkdtemp(prefix="precision-bench-"))
     info = {"date": stamp.isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-            "left_out": {"bf16": refusal} if refusal and "bf16" in args.precisions else {},
+            "left_out": left_out,
             "loadavg_start": os.getloadavg(), "server_cpus": args.server_cpus,
             "client_cpus": args.client_cpus, "rounds": args.rounds}  # fmt: skip
     tokenizer = servers_tokenizer()
