@@ -193,6 +193,34 @@ def test_cancelled_queued_request_is_removed():
     asyncio.run(main())
 
 
+def test_cancelling_a_submitted_future_takes_it_out_at_once_or_counts_it_cancelled():
+    # the future of submit (no task: the HTTP front end, a stream, an ensemble step) is how
+    # those callers say they left
+    async def main():
+        backend = Doubler()
+        backend.gate.clear()
+        scheduler = start(make_config(), backend)
+        running = scheduler.submit(request(1, 0.0))
+        queued = scheduler.submit(request(1, 5.0))
+        assert len(scheduler.batcher) == 1
+        queued.cancel()
+        await asyncio.sleep(0)  # its done callbacks run
+        assert len(scheduler.batcher) == 0 and scheduler.in_flight_requests == 1
+        assert scheduler.stats.fail_reasons == {"cancelled": 1}
+        running.cancel()  # its batch runs: it finishes for nobody, counted cancelled
+        backend.gate.set()
+        for _ in range(10_000):  # at most 10 s
+            if not scheduler.in_flight_requests:
+                break
+            await asyncio.sleep(0.001)
+        assert backend.ran == [0.0] and not scheduler.in_flight_requests
+        assert scheduler.stats.fail_reasons == {"cancelled": 2}
+        assert scheduler.stats.inference_count == 0
+        await scheduler.close()
+
+    asyncio.run(main())
+
+
 def test_a_request_whose_client_left_is_answered_and_never_runs():
     async def main():
         backend = Doubler()

@@ -431,6 +431,41 @@ def test_a_cancelled_queued_request_leaves_the_queue_and_is_counted():
     assert reasons(events) == ["cancelled", None]
 
 
+def test_a_request_cancelled_while_its_batch_runs_is_counted_cancelled_never_a_success():
+    core, events = core_with()
+    gone, stays = core.admit(request(value=1), 0.0), core.admit(request(value=2), 0.0)
+    (record,) = core.schedule(0.0).dispatched
+    assert not core.cancel(gone, 0.05)  # its batch runs: nothing to take out
+    assert gone.cancelled and gone.outcome is None and core.in_flight_requests == 2
+    done = core.complete(run(record, 0.0, 0.1), 0.1)
+    assert list(done.finished) == [gone, stays]
+    assert isinstance(gone.outcome, CancelledRequestError)
+    assert response(stays).outputs["OUTPUT0"][0, 0] == 4.0
+    assert reasons(events) == ["cancelled", None]  # in batch order
+    assert core.stats.fail_reasons == {"cancelled": 1} and core.in_flight_requests == 0
+
+
+def test_a_cancelled_request_is_not_retried_and_leaves_a_waiting_retry_half():
+    core, events = core_with()
+    items = [core.admit(request(value=10.0 * i), 0.0) for i in range(1, 6)]
+    (record,) = core.schedule(0.0).dispatched
+    assert not core.cancel(items[0], 0.01)  # running: marked
+    done = core.complete(failed(record, BackendError("marker row"), at=0.0), 0.02)
+    # the cancelled one is finished, not retried; the others are halved
+    assert list(done.finished) == [items[0]]
+    assert isinstance(items[0].outcome, CancelledRequestError)
+    assert [b.items for b in done.retried] == [items[1:3], items[3:]]
+    assert core.cancel(items[4], 0.03)  # waits in a retry half: taken out of it
+    assert [b.items for b in core.retrying] == [items[1:3], items[3:4]]
+    assert core.retrying[1].rows == 1
+    assert core.cancel(items[3], 0.03)  # the half is empty now: it goes
+    assert [b.items for b in core.retrying] == [items[1:3]]
+    (again,) = core.schedule(0.04).dispatched
+    core.complete(run(again, 0.04, 0.05), 0.05)
+    assert core.in_flight_requests == 0
+    assert reasons(events) == ["cancelled", "cancelled", "cancelled", None, None]
+
+
 def test_requests_whose_client_left_are_dropped_when_batches_form():
     core, _ = core_with()
     gone = {"b"}

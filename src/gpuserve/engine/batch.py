@@ -40,6 +40,8 @@ class Pending:
         length: Its longest row's length (tokens) from the model's admission step, 0 when the
             request carries no cost; the batcher groups requests of similar length by it.
         tokens: Sum of its rows' lengths (0 without a cost).
+        cancelled: Its caller went away after its batch formed (it runs, or ran, for
+            nobody): it is counted ``cancelled`` whatever its batch gives it, and not retried.
     """
 
     request: InferenceRequest
@@ -52,6 +54,7 @@ class Pending:
     outcome: InferenceResponse | GpuserveError | None = None
     length: int = 0
     tokens: int = 0
+    cancelled: bool = False
 
 
 @dataclass(slots=True)

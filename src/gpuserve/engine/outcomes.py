@@ -18,7 +18,12 @@ from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.inflight import InFlight, W
 from gpuserve.engine.request import InferenceResponse, RequestTiming
 from gpuserve.engine.stats import BatchStats, ModelStats, RequestStats
-from gpuserve.errors import GpuserveError
+from gpuserve.errors import CancelledRequestError, GpuserveError
+
+
+def _gone() -> CancelledRequestError:
+    """The outcome of a request whose caller went away while its batch ran."""
+    return CancelledRequestError("client went away while the request ran")
 
 
 @dataclass(slots=True)
@@ -115,6 +120,8 @@ class Outcomes:
         for item, outcome in zip(result.batch.items, result.results, strict=True):
             queue_s = started_s - item.arrival_s
             total_s = now - item.arrival_s
+            if item.cancelled:  # ran for a caller that had gone: never a success
+                outcome = _gone()
             if isinstance(outcome, GpuserveError):
                 item.outcome = outcome
                 reason: str | None = outcome.reason
@@ -131,7 +138,10 @@ class Outcomes:
     def failed(
         self, item: Pending, error: GpuserveError, queue_s: float, compute_s: float, now: float
     ) -> None:
-        """Fail ``item`` with ``error`` at ``now`` (its total time: admission to ``now``)."""
+        """Fail ``item`` with ``error`` at ``now`` (its total time: admission to ``now``);
+        an item whose caller had gone while it ran is counted cancelled whatever the error."""
+        if item.cancelled:
+            error = _gone()
         item.outcome = error
         total_s = now - item.arrival_s
         self.stats.record_request(

@@ -27,6 +27,10 @@ Rules the core keeps:
   :class:`~gpuserve.engine.assembly.OutputMismatch`) is split in halves that run again ahead of
   new work, so only the request that causes the failure fails, and a batch that ran out of
   device memory still gets results.
+* **Cancel**: a request whose caller went away (``cancel``) leaves the queue, or the retry
+  half it waits in, at once and is finished ``cancelled``; one whose batch runs is marked, then
+  counted cancelled (never a success) and not retried. A request's ``is_cancelled`` probe is
+  read as batches form too, for callers that cannot say so themselves.
 * **Watchdog**: each in-flight batch has a deadline ``execution_timeout_s`` after dispatch; an
   instance past one is declared hung: its batches fail with a 500 naming the timeout, it is
   dropped from ``instances`` (its thread cannot be stopped), and a late result from it is
@@ -237,13 +241,34 @@ class SchedulerCore(Generic[W]):
         return item
 
     def cancel(self, item: Pending, now: float) -> bool:
-        """Take ``item`` out of the queue (its client cancelled) and finish it with
-        CancelledRequestError. Returns False, doing nothing, if it is no longer queued (its
-        batch formed, or it finished)."""
-        if not self.batcher.remove(item):
+        """Its caller went away (a cancelled future, a closed connection, a caller's
+        deadline): take ``item`` out of the queue, or out of a retry half that waits, and
+        finish it with CancelledRequestError; True then, and the driver delivers it.
+
+        An item whose batch runs now is marked ``cancelled`` instead: whatever its batch
+        gives it, it is counted cancelled (never a success), and it is not retried. False
+        then, as for an item already finished.
+        """
+        if item.outcome is not None:
             return False
-        self._finish_unrun(item, CancelledRequestError("client cancelled"), now)
-        return True
+        if self.batcher.remove(item) or self._unretry(item):
+            self._finish_unrun(item, CancelledRequestError("client cancelled"), now)
+            return True
+        item.cancelled = True
+        return False
+
+    def _unretry(self, item: Pending) -> bool:
+        """Take ``item`` out of the retry half holding it; False when none does."""
+        retry = self._retry
+        for index, half in enumerate(retry):
+            if item in half.items:
+                rest = [other for other in half.items if other is not item]
+                if rest:
+                    retry[index] = Batch.of(rest, half.formed_s)
+                else:
+                    del retry[index]
+                return True
+        return False
 
     # -- the queue -> instances --------------------------------------------------------------
 
@@ -353,7 +378,7 @@ class SchedulerCore(Generic[W]):
         items = batch.items
         if error is not None:
             if result.retryable and len(items) > 1:
-                return Completion(_NONE, self._retry_halves(batch, error, now))
+                return self._retry_halves(batch, error, result.started_s, now)
             for item in items:
                 self._finish(item, error, result.started_s - item.arrival_s, 0.0, now)
             return Completion(items)
@@ -363,7 +388,11 @@ class SchedulerCore(Generic[W]):
         self.in_flight_requests -= len(items)
         return Completion(items)
 
-    def _retry_halves(self, batch: Batch, error: GpuserveError, now: float) -> list[Batch]:
+    def _retry_halves(
+        self, batch: Batch, error: GpuserveError, started_s: float, now: float
+    ) -> Completion:
+        """Queue the halves of a failed batch to run again; its cancelled requests are not
+        retried but finished (their callers are gone)."""
         logger.warning(
             "model %s version %s: batch of %d requests (%d rows) failed (%s); "
             "retrying it in halves",
@@ -373,10 +402,17 @@ class SchedulerCore(Generic[W]):
             batch.rows,
             error.message,
         )
-        middle = len(batch.items) // 2
-        halves = [Batch.of(part, now) for part in (batch.items[:middle], batch.items[middle:])]
+        items = batch.items
+        gone: Sequence[Pending] = _NONE
+        if any(item.cancelled for item in items):
+            gone = [item for item in items if item.cancelled]
+            items = [item for item in items if not item.cancelled]
+            for item in gone:
+                self._finish(item, error, started_s - item.arrival_s, 0.0, now)
+        middle = len(items) // 2
+        halves = [Batch.of(part, now) for part in (items[:middle], items[middle:]) if part]
         self._retry.extend(halves)
-        return halves
+        return Completion(gone, halves)
 
     def hung(self, now: float, respawn: bool) -> list[Hung[W]]:
         """Declare hung every instance holding a batch past its watchdog deadline at ``now``.

@@ -273,11 +273,18 @@ class VersionRunner(abc.ABC):
 
     @abc.abstractmethod
     def _queue(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
-        """Queue a request whose admission step (if any) ran; its one response's future."""
+        """Queue a request whose admission step (if any) ran; its one response's future.
+
+        Cancelling that future is the one way every caller says it went away (a closed
+        connection, a cancelled call or stream, a caller's deadline): a runner takes the
+        request out of its queue at once, so it never runs, and counts it ``cancelled``;
+        one that runs already learns of it at its next response (a decoupled model's
+        ``is_cancelled()``) or is counted cancelled when it returns, never a success.
+        """
 
     async def _wait(self, request: InferenceRequest) -> InferenceResponse:
-        """Queue and await one request (a runner that can take a cancelled request out of
-        its queue overrides this)."""
+        """Queue and await one request. Cancelling the awaiting task cancels the future,
+        which is how a caller says it went away, whatever the runner."""
         return await self._queue(request)
 
     def _open(self, request: InferenceRequest) -> ResponseStream:

@@ -158,40 +158,33 @@ class BatchingRunner(VersionRunner):
         padding = self.core.padding
         return shape_key(request) if padding is None else padding.key(request)
 
-    async def _wait(self, request: InferenceRequest) -> InferenceResponse:
-        """Queue ``request``, wait for its batch to run, and return its own rows. Cancelling
-        the caller takes the request out of the queue if its batch has not formed yet.
-
-        Raises:
-            OverloadedError: the queue is full (nothing was queued).
-            RequestTimeoutError: the queue timeout passed before the request ran.
-            BackendError: the model failed on this request.
-            UnavailableError: the version is shutting down.
-        """
-        now = self.clock()
-        item = self.core.admit(request, now)
-        future = self._new_future()
-        self._waiters[item] = future
-        self._idle.clear()
-        self._pump(now)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self.core.cancel(item, self.clock()):
-                self._deliver((item,))
-            raise
-
     def _queue(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
         """Queue ``request`` and return the future of its response, without a task per
-        request (the HTTP front end answers from the future's done callback). The future
-        fails with the errors :meth:`_wait` raises; admission errors raise at once."""
+        request (the HTTP front end answers from the future's done callback).
+
+        Cancelling the future is how every caller says it went away (an HTTP client that
+        closed its connection, a cancelled gRPC call or stream, a BLS caller past its
+        deadline, an ensemble run that ended, a cancelled awaiting task): the request leaves
+        the queue at once and never runs, or, when its batch already runs, is counted
+        cancelled when the batch returns (:meth:`SchedulerCore.cancel`).
+
+        The future fails with OverloadedError (queue full), RequestTimeoutError (the queue
+        timeout passed before it ran), BackendError (the model failed on it) or
+        UnavailableError (the version shut down); admission errors raise at once.
+        """
         now = self.clock()
         item = self.core.admit(request, now)  # refuses unless attached and not closing
         future = self._new_future()
         self._waiters[item] = future
+        future.add_done_callback(lambda done: self._abandon(item, done))
         self._idle.clear()
         self._pump(now)  # may already finish it (client gone): the future is set then
         return future
+
+    def _abandon(self, item: Pending, future: asyncio.Future[InferenceResponse]) -> None:
+        """The future of ``item`` is done: when it was cancelled, its caller went away."""
+        if future.cancelled() and self.core.cancel(item, self.clock()):
+            self._deliver((item,))
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -175,8 +175,12 @@ class StreamingRunner(VersionRunner):
         return DecoupledStream(self, request, executor.open(request, self._rows(request)))
 
     def _queue(self, request: InferenceRequest) -> asyncio.Future[InferenceResponse]:
-        """The one response of a request (unary callers): a task that reads its stream."""
-        return asyncio.ensure_future(self._collect_single(self._open(request)))
+        """The one response of a request (unary callers): a task that reads its stream.
+        Cancelling it cancels the stream, even before the task first ran."""
+        stream = self._open(request)
+        task = asyncio.ensure_future(self._collect_single(stream))
+        task.add_done_callback(lambda done: stream.cancel() if done.cancelled() else None)
+        return task
 
     async def _collect_single(self, stream: ResponseStream) -> InferenceResponse:
         first: InferenceResponse | None = None

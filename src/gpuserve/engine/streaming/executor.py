@@ -449,8 +449,11 @@ class DecoupledExecutor:
 
     def _finished(self, job: StreamJob, outcome: GpuserveError | str | None) -> None:
         now = self.clock()
-        if job.started_s == 0.0 and self.batcher is not None:
-            self.batcher.remove(job)  # ended while queued (cancelled): free its place
+        if job.started_s == 0.0:  # ended while queued (cancelled): free its place now
+            if self.batcher is not None:
+                self.batcher.remove(job)
+            elif job in self._waiting:
+                self._waiting.remove(job)
         if job.started_s > 0.0:
             self._hold(-1)
             if isinstance(outcome, str):  # cancelled (by its client, or by the server)
