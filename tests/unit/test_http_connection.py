@@ -191,3 +191,30 @@ async def test_no_answer_is_produced_while_the_client_reads_none():
     connection.resume_writing()
     await turns()
     assert [r.path for r in handler.requests] == ["/r0", "/r1"]
+
+
+@on_loop
+async def test_a_client_that_goes_away_stops_the_request_being_answered_at_once():
+    handler = Recorder()
+    connection, _ = make(handler)
+    stopped: list[str] = []
+    feed(connection, b"GET /a HTTP/1.1\r\nhost: t\r\n\r\nGET /b HTTP/1.1\r\nhost: t\r\n\r\n")
+    (first,) = handler.requests  # /b waits behind it, not started
+    first.on_gone = lambda: stopped.append(first.path)
+    connection.connection_lost(None)
+    assert stopped == ["/a"]
+    connection.connection_lost(None)  # once
+    assert stopped == ["/a"] and handler.requests == [first]
+
+
+@on_loop
+async def test_a_request_already_answered_is_not_stopped_when_its_client_leaves():
+    handler = Recorder()
+    connection, _ = make(handler)
+    stopped: list[str] = []
+    feed(connection, b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
+    (request,) = handler.requests
+    request.on_gone = lambda: stopped.append(request.path)
+    request.respond(200, b"{}")
+    connection.connection_lost(None)
+    assert stopped == []

@@ -283,10 +283,16 @@ class HttpApp:
         if self.access_log:
             _log_access(request, status, size, time.monotonic() - request.started_s)
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def _spawn(
+        self, coroutine: Coroutine[Any, Any, None], serving: HttpRequest | None = None
+    ) -> None:
+        """Run ``coroutine`` as a task; one ``serving`` a request is cancelled when that
+        request's client goes away (its queued work leaves the queue then)."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._tasks.discard)
+        if serving is not None:
+            serving.on_gone = task.cancel
 
     # -- the rows' handlers: (request, method with HEAD as GET, the matcher's params) ------
 
@@ -320,11 +326,11 @@ class HttpApp:
             self.service.extensions.shared_memory,
         )
         if self.service.cold(name):  # loads on demand first; a loaded model never gets here
-            self._spawn(self._infer_cold(request, name, version, wire))
+            self._spawn(self._infer_cold(request, name, version, wire), request)
             return None
-        # A request whose client disconnects while it waits is dropped when its batch forms,
-        # so it never runs. The probe reads the connection's state lazily: watching each
-        # connection would cost more than the check.
+        # A request whose client disconnects while it waits leaves the queue at once (the
+        # connection cancels its future, see _submit) and never runs; the probe is the
+        # backstop read when its batch forms.
         context = traceparent(request) if self.service.tracing else None
         admission = self.service.admit(name, version, wire, request.is_disconnected, context)
         self._submit(request, admission, wire)
@@ -332,7 +338,7 @@ class HttpApp:
 
     def _generate(self, request: HttpRequest, _method: str, params: Params) -> Answer:
         name, version, endpoint = params  # Triton's generate extension
-        self._spawn(self.generate.handle(request, name, version, endpoint))
+        self._spawn(self.generate.handle(request, name, version, endpoint), request)
         return None
 
     def _metrics_route(self, request: HttpRequest, _method: str, _: Params) -> Answer:
@@ -396,6 +402,7 @@ class HttpApp:
     def _submit(self, request: HttpRequest, admission: Admission, wire: HttpInferBody) -> None:
         request.access = admission
         future = self.service.submit(admission)
+        request.on_gone = future.cancel  # the client left: out of the queue at once
         future.add_done_callback(lambda done: self._infer_done(request, done, wire, admission))
 
     async def _infer_cold(
@@ -419,6 +426,10 @@ class HttpApp:
         wire: HttpInferBody,
         admission: Admission,
     ) -> None:
+        if future.cancelled():  # the client went away: nobody to answer
+            if self.access_log:
+                _log_access(request, 499, 0, time.monotonic() - request.started_s)
+            return
         try:
             response = future.result()
             if wire.output_options.classification:  # Triton's classification extension

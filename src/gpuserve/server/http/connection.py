@@ -21,8 +21,9 @@ What it enforces, each with a JSON ``{"error": ...}`` answer:
 
 Refusals come after the answers to the requests before them and end with a lingering close
 (write side shut, input drained for a second) so the client can read them. A client that
-closes its side of the connection is taken as gone, not as half-closed: what it queued is
-dropped before it runs (see the cancellation probe in the app). ``Expect:
+closes its side of the connection is taken as gone, not as half-closed: the request being
+answered is told at once (:attr:`HttpRequest.on_gone`), so its queued work leaves the queue
+then and never runs; requests pipelined behind it are dropped unstarted. ``Expect:
 100-continue`` is answered with ``100 Continue`` (not to HTTP/1.0). Connections idle for
 ``keep_alive_timeout_s`` are closed, and so are connections whose client has read none of its
 answers for that long (while it does not read, no further answer is produced). HEAD is
@@ -174,7 +175,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.closed = True
-        self._waiting.clear()
+        self._waiting.clear()  # never started: nothing of theirs is queued
+        current = self._current
+        if current is not None and current.on_gone is not None and not current.answered:
+            current.on_gone()  # its queued work is dropped now, not when it would run
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         self.on_close(self)
@@ -225,7 +229,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         """The client closed its side: it is taken as gone (its queued requests are then
-        dropped before they run, BC-11), not as a half-close awaiting answers."""
+        dropped before they run), not as a half-close awaiting answers."""
         return False  # asyncio closes the transport
 
     def pause_writing(self) -> None:

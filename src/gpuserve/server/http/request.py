@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuserve.service.outcome import AccessRecord, log_access
@@ -37,6 +37,10 @@ class HttpRequest:
         started_s: ``time.monotonic()`` when the request was complete (seconds).
         keep_alive: Whether the connection may carry another request after this one.
         access: Set by the handler for the access log (model, version, request), or None.
+        on_gone: Set by the handler while the request's work is queued or runs (cancels its
+            future or task): the connection calls it at once if the client goes away before
+            the answer, so the work is dropped without waiting to be found out. None: nothing
+            to stop.
     """
 
     __slots__ = (
@@ -49,6 +53,7 @@ class HttpRequest:
         "headers",
         "keep_alive",
         "method",
+        "on_gone",
         "path",
         "query",
         "started_s",
@@ -75,6 +80,7 @@ class HttpRequest:
         self.error = error  # set by the connection: answer this status and message
         self.started_s = time.monotonic()
         self.access: Any = None
+        self.on_gone: Callable[[], object] | None = None
         self.answered = False
         self.answer_coding: bytes | None = None  # gzip/deflate: compress the answer
 
