@@ -373,6 +373,30 @@ class ModelConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_decoupled(self) -> ModelConfig:
+        # Settings the decoupled path does not honour are refused, not ignored; only these
+        # three are looked at (a decoupled model is otherwise free to set what it likes).
+        if not self.model_transaction_policy.decoupled:
+            return self
+        unhonoured = []
+        if self.execution_timeout_s:
+            unhonoured.append(f"execution_timeout_s={self.execution_timeout_s:g}")
+        if self.dynamic_batching.max_batch_tokens is not None:
+            unhonoured.append(
+                f"dynamic_batching.max_batch_tokens={self.dynamic_batching.max_batch_tokens}"
+            )
+        if self.dynamic_batching.adaptive is not None:
+            unhonoured.append("dynamic_batching.adaptive")
+        if unhonoured:
+            raise ValueError(
+                f"{', '.join(unhonoured)} cannot be used with "
+                "model_transaction_policy.decoupled: a decoupled model's requests run as "
+                "streams, which take no execution timeout, token budget or adaptive batching; "
+                "remove the setting"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_ensemble(self) -> ModelConfig:
         # The graph alone (see gpuserve.config.ensemble); the steps' tensors at load.
         if (self.backend == "ensemble") != (self.ensemble is not None):
