@@ -1,7 +1,8 @@
 """One contract, every runner: the same cases against each kind of :class:`VersionRunner`.
 
 Every loaded version has exactly one runner (``src/gpuserve/engine/runners/``). Whatever the
-runner, a client of ``POST /v2/models/conf/infer`` must see the same behaviour. Each kind
+runner, a client of ``POST /v2/models/conf/infer`` (or of a gRPC ``ModelStreamInfer`` stream,
+for the cancellation cases) must see the same behaviour. Each kind
 below is a repository (written into ``tmp_path``) whose model ``conf`` computes ``Y = 2 X``
 (FP32, input ``X`` dims [4], ``max_batch_size: 8``, one CPU instance) served by a different
 runner:
@@ -21,7 +22,11 @@ The model's markers (first element of a row, the second element a tag):
 * ``-2``: it returns ``Y`` of shape [1, 3] instead of [1, 4] (the engine's output checks: 500);
 * ``-3``: it touches ``started-<tag>`` in the kind's event folder and holds its instance until
   the test creates ``release-<tag>`` (the slow request, released by the test, never a sleep);
-* ``-4``: it touches ``ran-<tag>`` (whether a request ran at all).
+* ``-4``: it touches ``ran-<tag>`` (whether a request ran at all);
+* ``-5`` (the decoupled kind's ``generate`` only): it sends one response, touches
+  ``started-<tag>``, holds until ``release-<tag>``, then sends a second; ``after-<tag>`` is
+  touched if it got past that second response (it was not told its client had gone), and
+  ``closed-<tag>`` when the generator ends.
 
 One server per kind (in-process, ``--model-control-mode explicit`` with every model loaded, so
 that the drain case can unload and load ``conf`` again). Counts are read as differences (the
@@ -41,8 +46,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
-from tests.helpers import InProcessServer, wait_until
+from tests.helpers import InProcessServer, queue_state, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,7 +113,19 @@ class Model(PythonModel):
         return compute(inputs["X"])
 
     def generate(self, inputs):  # decoupled kind only: exactly one response
-        yield compute(inputs["X"])
+        x = inputs["X"]
+        if x[0, 0] != -5:
+            yield compute(x)
+            return
+        tag = int(x[0, 1])
+        try:
+            yield {{"Y": x * 2}}
+            _touch(f"started-{{tag}}")
+            _hold(f"release-{{tag}}")
+            yield {{"Y": x * 2}}  # a cancelled stream closes the generator here
+            _touch(f"after-{{tag}}")
+        finally:
+            _touch(f"closed-{{tag}}")
 '''
 
 COMMON = """\
@@ -205,6 +223,24 @@ class Kind:
             f"/v2/models/{MODEL}/infer", json=self.body(x, **parameters), timeout=timeout_s
         )
 
+    def stream(self, x: np.ndarray) -> grpcclient.InferenceServerClient:
+        """A gRPC ``ModelStreamInfer`` stream (tritonclient's) carrying one request of rows
+        ``x`` (its responses are dropped); the caller cancels it with
+        ``stop_stream(cancel_requests=True)`` and closes the client."""
+        client = grpcclient.InferenceServerClient(self.server.grpc_url)
+        client.start_stream(callback=lambda *_, **__: None)
+        tensor = grpcclient.InferInput("X", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        sequence: dict[str, Any] = {}
+        if self.name == "sequence":
+            sequence = {
+                "sequence_id": next(_sequence_ids),
+                "sequence_start": True,
+                "sequence_end": True,
+            }
+        client.async_stream_infer(MODEL, [tensor], **sequence)
+        return client
+
     def stats(self) -> dict:
         answer = self.http.get(f"/v2/models/{MODEL}/stats")
         assert answer.status_code == 200, answer.text
@@ -232,28 +268,19 @@ def y_of(answer: httpx.Response) -> np.ndarray:
     return np.array(out["data"], dtype=np.float32).reshape(out["shape"])
 
 
-def requests_total(url: str, outcome: str, reason: str = "") -> float:
-    """``gpuserve_requests_total`` of ``conf`` version 1 for ``outcome``/``reason``."""
+def requests_total(url: str, outcome: str, reason: str = "", model: str = MODEL) -> float:
+    """``gpuserve_requests_total`` of ``model`` version 1 for ``outcome``/``reason``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
     lines = [line for line in text.splitlines() if line.startswith("gpuserve_requests_total")]
-    wanted = {"model": MODEL, "version": "1", "outcome": outcome, "reason": reason}
+    wanted = {"model": model, "version": "1", "outcome": outcome, "reason": reason}
     total = 0.0
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name == "gpuserve_requests_total" and sample.labels == wanted:
                 total += sample.value
     return total
-
-
-def snapshot(connections: set) -> set:
-    """A copy of the listener's connection set (changed by the server's loop thread)."""
-    while True:
-        try:
-            return set(connections)
-        except RuntimeError:  # changed size during the copy
-            continue
 
 
 def failures(kind: Kind, reason: str) -> int:
@@ -353,6 +380,25 @@ def test_an_output_of_the_wrong_shape_is_500_naming_the_model_and_output(kind: K
 # -- 3. cancel -------------------------------------------------------------------------------
 
 
+def left_the_queue(kind: Kind, cancelled_before: float, what: str) -> None:
+    """Wait (while the slow request still holds the instance) until the request whose client
+    left is counted cancelled and nothing is queued on the model that runs its rows: it left
+    the queue when its client went, not when its batch would have formed."""
+
+    def gone() -> bool:
+        counted = requests_total(kind.url, "failure", "cancelled") >= cancelled_before + 1
+        return counted and queue_state(kind.url, kind.runs_on).queued == 0
+
+    try:
+        wait_until(gone, 10, what)
+    except AssertionError:
+        raise AssertionError(
+            f"{kind.name}: {what}: cancelled "
+            f"{requests_total(kind.url, 'failure', 'cancelled') - cancelled_before:g}, "
+            f"{queue_state(kind.url, kind.runs_on)}"
+        ) from None
+
+
 def test_a_client_that_gives_up_while_queued_is_counted_cancelled_and_never_runs(
     kind: Kind, pool: concurrent.futures.ThreadPoolExecutor
 ):
@@ -361,38 +407,101 @@ def test_a_client_that_gives_up_while_queued_is_counted_cancelled_and_never_runs
     slow = Slow(kind, pool)
     tag = next(_tags)
     try:
-        connections = kind.server.server.http.connections
-        known = snapshot(connections)
         # queued behind the slow request; the client gives up and closes its connection
         with httpx.Client(base_url=kind.url) as impatient, pytest.raises(httpx.TimeoutException):
             impatient.post(
                 f"/v2/models/{MODEL}/infer", json=kind.body(rows(-4.0, tag=tag)), timeout=0.5
             )
-        # The server reads a request's connection state when its batch forms (BC-11), and
-        # learns of the close a loop iteration or two after the FIN: release the slow request
-        # only once the impatient connection is gone on the server's side, else its batch may
-        # form first and run it (a race of the test, not a runner's fault).
-        wait_until(
-            lambda: not (snapshot(connections) - known),
-            10,
-            f"{kind.name}: the server saw the impatient client's connection close",
-        )
+        left_the_queue(kind, metric_before, "the closed connection's request left the queue")
     finally:
         first = slow.result()
     assert first.status_code == 200, first.text
-    try:
-        wait_until(lambda: failures(kind, "cancelled") > cancelled_before, 10, "counted")
-    except AssertionError:
-        stats = kind.stats()
-        raise AssertionError(
-            f"{kind.name}: the abandoned request is not counted as cancelled in /stats after "
-            f"10 s (ran: {kind.event(f'ran-{tag}').exists()}, inference_count "
-            f"{stats['inference_count']}, failure_reasons {stats['failure_reasons']})"
-        ) from None
+    np.testing.assert_array_equal(y_of(kind.infer(rows(7.0))), rows(7.0) * 2)
     assert failures(kind, "cancelled") == cancelled_before + 1
     assert requests_total(kind.url, "failure", "cancelled") == metric_before + 1
     assert not kind.event(f"ran-{tag}").exists(), "the abandoned request ran"
+
+
+def test_a_cancelled_stream_takes_its_queued_request_out_at_once_and_it_never_runs(
+    kind: Kind, pool: concurrent.futures.ThreadPoolExecutor
+):
+    metric_before = requests_total(kind.url, "failure", "cancelled")
+    slow = Slow(kind, pool)
+    tag = next(_tags)
+    client: grpcclient.InferenceServerClient | None = None
+    try:
+        client = kind.stream(rows(-4.0, tag=tag))
+        wait_until(
+            lambda: queue_state(kind.url, kind.runs_on).queued >= 1,
+            10,
+            f"{kind.name}: the stream's request queued behind the slow one",
+        )
+        client.stop_stream(cancel_requests=True)
+        left_the_queue(kind, metric_before, "the cancelled stream's request left the queue")
+    finally:
+        first = slow.result()
+        if client is not None:
+            client.close()
+    assert first.status_code == 200, first.text
+    # a request still queued would run before this one
     np.testing.assert_array_equal(y_of(kind.infer(rows(7.0))), rows(7.0) * 2)
+    assert not kind.event(f"ran-{tag}").exists(), "the cancelled stream's request ran"
+    assert requests_total(kind.url, "failure", "cancelled") == metric_before + 1
+
+
+def server_knows(kind: Kind, cancelled_before: float) -> bool:
+    """Whether the server took in that the client of the request running on ``kind`` left:
+    a decoupled request is counted cancelled at once; a batching runner marks the request in
+    its running batch (read from the in-process server: nothing a client sees changes yet)."""
+    if kind.name == "streaming":
+        cancelled = requests_total(kind.url, "failure", "cancelled", model=kind.runs_on)
+        return cancelled >= cancelled_before + 1
+    core = kind.server.manager.runner(kind.runs_on, None).core
+    items = [item for record in core.in_flight for item in record.batch.items]
+    return bool(items) and all(item.cancelled for item in items)
+
+
+def test_a_request_cancelled_while_it_runs_is_counted_cancelled_and_a_decoupled_model_is_told(
+    kind: Kind,
+):
+    # The batching runners mark the running request (it finishes for nobody and is counted
+    # cancelled, never a success); a decoupled model learns of it at its next response (its
+    # generator is closed there) and the request is counted cancelled at once.
+    success_before = requests_total(kind.url, "success", model=kind.runs_on)
+    cancelled_before = requests_total(kind.url, "failure", "cancelled", model=kind.runs_on)
+    tag = next(_tags)
+    decoupled = kind.name == "streaming"
+    client = kind.stream(rows(-5.0 if decoupled else -3.0, tag=tag))
+    try:
+        wait_until(
+            lambda: kind.event(f"started-{tag}").exists(), 10, f"{kind.name}: the request runs"
+        )
+        client.stop_stream(cancel_requests=True)
+        # released only once the server knows, else the answer could race the cancel
+        wait_until(
+            lambda: server_knows(kind, cancelled_before),
+            10,
+            f"{kind.name}: the server learnt the running request's client left",
+        )
+    finally:
+        kind.event(f"release-{tag}").touch()
+        client.close()
+    wait_until(
+        lambda: (
+            requests_total(kind.url, "failure", "cancelled", model=kind.runs_on)
+            >= cancelled_before + 1
+        ),
+        10,
+        f"{kind.name}: the cancelled request counted cancelled once it returned",
+    )
+    if decoupled:
+        wait_until(lambda: kind.event(f"closed-{tag}").exists(), 10, "the generator ended")
+        assert not kind.event(f"after-{tag}").exists(), "the model sent on for nobody"
+    np.testing.assert_array_equal(y_of(kind.infer(rows(7.0))), rows(7.0) * 2)
+    assert requests_total(kind.url, "success", model=kind.runs_on) == success_before + 1
+    assert (
+        requests_total(kind.url, "failure", "cancelled", model=kind.runs_on) == cancelled_before + 1
+    )
 
 
 # -- 4. queue timeout ------------------------------------------------------------------------
