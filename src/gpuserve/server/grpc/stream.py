@@ -17,7 +17,9 @@ as they are ready, carrying the request's id.
 * Back-pressure: responses wait in a bounded queue for the client to read them; when it is
   full the requests' streams stop pulling from their models, whose own bounded buffers then
   make the model's ``yield``/``send`` wait. When the client cancels or goes away, grpc.aio
-  cancels the handler, every request's stream is cancelled and its model stops.
+  cancels the handler and every request's stream is cancelled: requests still queued leave
+  the queue at once and never run, a decoupled model stops at its next response, and each is
+  counted cancelled.
 """
 
 from __future__ import annotations
