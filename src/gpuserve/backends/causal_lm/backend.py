@@ -127,6 +127,19 @@ class GenerationModel:
         """Token ids of a prompt (with the special tokens the tokenizer adds)."""
         return list(self.tokenizer.encode(text))
 
+    def encode_chat(self, rendered: str) -> list[int]:
+        """Token ids of a rendered chat (its template wrote the special tokens itself)."""
+        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens kept: a prompt as the model saw it)."""
+        return str(self.tokenizer.decode(token_ids))
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits: token ids are below it."""
+        return self.loaded.model.info.vocab_size
+
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text of a conversation, by the model's chat template, ready for the
         assistant's turn.

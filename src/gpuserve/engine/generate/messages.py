@@ -7,6 +7,7 @@ series of :class:`GenerationDelta` objects, the last one ``finished``. Nothing h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuserve.backends.causal_lm.params import SamplingParams
 from gpuserve.errors import GpuserveError
@@ -34,6 +35,27 @@ class GenerationRequest:
     params: SamplingParams
     deadline_s: float | None = None
     arrival_s: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerationInput:
+    """A generation asked for through a typed API (OpenAI's), before tokenisation: what a
+    front end decodes into :attr:`InferenceRequest.generation
+    <gpuserve.engine.request.InferenceRequest.generation>`. The generation runner renders
+    and tokenises it (the tokenizer is the loaded model's).
+
+    Attributes:
+        params: Validated sampling values (the model's defaults filled in).
+        prompt: The prompt: text, or token ids (``/v1/completions``); None for a chat.
+        messages: The conversation (``/v1/chat/completions``): OpenAI's message objects with
+            ``role`` and text ``content``; rendered by the model's chat template.
+        echo: Put the prompt text before the generated text (``/v1/completions``).
+    """
+
+    params: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    echo: bool = False
 
 
 @dataclass(slots=True)
@@ -94,6 +116,7 @@ class GenerationDelta:
 __all__ = [
     "FINISH_REASONS",
     "GenerationDelta",
+    "GenerationInput",
     "GenerationRequest",
     "TokenLogprob",
     "TopLogprob",

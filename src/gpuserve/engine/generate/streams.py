@@ -45,6 +45,8 @@ class GenerationStream(DeltaSink):
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        #: The prompt as text (set by the runner for typed requests: ``echo``).
+        self.prompt_text = ""
 
     def deliver(self, delta: GenerationDelta) -> None:
         """A delta from the engine (on the event loop thread)."""
@@ -60,6 +62,11 @@ class GenerationStream(DeltaSink):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    @property
+    def pending(self) -> bool:
+        """Whether reading now returns at once (deltas are waiting, or the stream ended)."""
+        return bool(self._items) or self._ended or self._read_final
 
     def __aiter__(self) -> GenerationStream:
         return self

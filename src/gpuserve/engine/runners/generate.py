@@ -33,12 +33,17 @@ from pathlib import Path
 
 from gpuserve.backends.base import Capabilities
 from gpuserve.backends.causal_lm.backend import GenerationModel
-from gpuserve.backends.causal_lm.params import SamplingLimits, SamplingParams
+from gpuserve.backends.causal_lm.params import SamplingParams
 from gpuserve.config import ModelConfig
 from gpuserve.config.generate import GenerateConfig
 from gpuserve.engine.admission import AdmissionPool
+from gpuserve.engine.generate.defaults import sampling_defaults, sampling_limits
 from gpuserve.engine.generate.engine import DeltaSink, GenerationEngine
-from gpuserve.engine.generate.messages import GenerationDelta, GenerationRequest
+from gpuserve.engine.generate.messages import (
+    GenerationDelta,
+    GenerationInput,
+    GenerationRequest,
+)
 from gpuserve.engine.generate.stats import GenerationStats
 from gpuserve.engine.generate.streams import GenerationStream, TensorStream
 from gpuserve.engine.generate.tensors import tensor_request
@@ -89,20 +94,8 @@ class GenerateRunner(VersionRunner):
         assert capabilities.generation is not None
         self.model: GenerationModel = capabilities.generation
         self.settings: GenerateConfig = config.generate or GenerateConfig()
-        sampling = self.settings.sampling
-        self.defaults = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            min_p=sampling.min_p,
-            repetition_penalty=sampling.repetition_penalty,
-        )
-        self.limits = SamplingLimits(
-            max_stop_strings=self.settings.max_stop_strings,
-            max_top_logprobs=self.settings.max_top_logprobs,
-            max_n=self.settings.max_n,
-        )
+        self.defaults = sampling_defaults(self.settings)
+        self.limits = sampling_limits(self.settings)
         self._instances: list[Instance] = []
         self._engines: list[GenerationEngine] = []
         self._load: list[int] = []  # sequences on each engine
@@ -200,6 +193,57 @@ class GenerateRunner(VersionRunner):
         self._load[index] += 1
         seq_id.append(engine.submit(request, stream))
         return stream
+
+    def open_generation(self, request: InferenceRequest) -> GenerationStream:
+        """Admit a request decoded by a typed API (``request.generation`` set): render the
+        chat, tokenise, check and submit it. The stream's ``prompt_text`` is the prompt as
+        text (for ``echo``).
+
+        Raises:
+            InvalidInputError: no ``generation``; a chat for a model without a chat
+                template; a token id outside the vocabulary; see :meth:`check`.
+            OverloadedError, UnavailableError: as :meth:`generate`.
+        """
+        asked = request.generation
+        try:
+            if asked is None:
+                raise InvalidInputError(f"model '{self.name}' needs a generation request")
+            prompt_text, prompt_ids = self._prompt(asked)
+        except InvalidInputError as err:
+            raise self._counted(err) from None
+        deadline = None
+        if request.timeout_us:
+            deadline = self.clock() + request.timeout_us / 1e6
+        stream = self.generate(
+            GenerationRequest(request.id or "", prompt_ids, asked.params, deadline_s=deadline)
+        )
+        stream.prompt_text = prompt_text
+        return stream
+
+    def _prompt(self, asked: GenerationInput) -> tuple[str, list[int]]:
+        """The prompt's text and token ids."""
+        model = self.model
+        if asked.messages is not None:
+            try:
+                text = model.render_chat(asked.messages)
+            except ValueError as err:
+                raise InvalidInputError(f"model '{self.name}': {err}") from None
+            except Exception as err:  # the template raised (jinja2): the messages' fault
+                raise InvalidInputError(
+                    f"model '{self.name}': its chat template refused the messages: {err}"
+                ) from None
+            return text, model.encode_chat(text)
+        if isinstance(asked.prompt, list):
+            vocab = model.vocab_size
+            bad = next((t for t in asked.prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidInputError(
+                    f"'prompt' holds token id {bad}, outside the vocabulary of model "
+                    f"'{self.name}' (0 to {vocab - 1})"
+                )
+            return model.decode(asked.prompt), list(asked.prompt)
+        text = asked.prompt or ""
+        return text, model.encode(text)
 
     def _ended(self, reason: str, admitted: float) -> None:
         self._in_flight -= 1
