@@ -266,9 +266,9 @@ def test_grpc_stream_with_the_vllm_backend_tensors(server: Any, client: Any) -> 
 def _cancelled(server: Any) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for line in text.splitlines():
-        if line.startswith("gpuserve_requests_total{") and 'model="chat"' in line:
-            if 'reason="cancelled"' in line:
-                return float(line.rsplit(" ", 1)[1])
+        series = line.startswith("gpuserve_requests_total{") and 'model="chat"' in line
+        if series and 'reason="cancelled"' in line:
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 

@@ -18,8 +18,8 @@ one, and each output by name (BYTES as text; one element as a scalar, more as a 
   ended), then the connection closes. A failure before the first
   event is an ordinary JSON error with its status; one after it is a last event
   ``data: {"error": "..."}`` (the status already went out as 200). When the client reads
-  slowly the events wait in the socket's buffer up to :data:`~gpuserve.server.http.events.WRITE_BUFFER_BYTES`, then the
-  stream stops pulling from the model (whose own bounded buffer then blocks it); when the
+  slowly the events wait in the socket's buffer up to
+  :data:`~gpuserve.server.http.events.WRITE_BUFFER_BYTES`, then the stream stops pulling from the model (whose own bounded buffer then blocks it); when the
   client goes away the model's stream is cancelled.
 """
 
