@@ -28,15 +28,33 @@ transformers = pytest.importorskip("transformers")
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_chat(tmp_path_factory.mktemp("chat") / "tiny")
+FAMILIES = ("llama", "qwen2", "gpt2")
 
 
 @pytest.fixture(scope="module")
-def reference(folder: Path) -> Any:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
-    return model.eval()
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("chat")
+    return {f: write_tiny_chat(root / f, max_positions=2048, family=f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def references(folders: dict[str, Path]) -> dict[str, Any]:
+    return {
+        family: transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True
+        ).eval()
+        for family, folder in folders.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def folder(folders: dict[str, Path]) -> Path:
+    return folders["llama"]
+
+
+@pytest.fixture(scope="module")
+def reference(references: dict[str, Any]) -> Any:
+    return references["llama"]
 
 
 def _greedy(reference: Any, prompt: list[int], n: int) -> list[int]:
@@ -60,7 +78,7 @@ def _model(folder: Path, num_blocks: int) -> GenerationModel:
         device="cpu",
         num_blocks=num_blocks,
         block_size=BLOCK,
-        context_length=512,
+        context_length=2048,
         eos_token_ids=loaded.eos_token_ids,
         chat_template=loaded.chat_template,
     )
@@ -103,30 +121,41 @@ class _Harness:
         self.thread.join(30)
 
 
-def _prompts(count: int, seed: int, shared: list[int] | None = None) -> list[list[int]]:
+def _prompts(
+    count: int, seed: int, shared: list[int] | None = None, longest: int = 40
+) -> list[list[int]]:
+    """``count`` prompts of 5 to ``longest`` tokens (one of them ``longest`` long)."""
     rng = random.Random(seed)
     out = []
-    for _ in range(count):
-        body = [rng.randrange(3, 380) for _ in range(rng.randrange(1, 40))]
+    for i in range(count):
+        length = longest if i == count // 2 else rng.randrange(5, max(6, longest // 4))
+        body = [rng.randrange(3, 380) for _ in range(length)]
         out.append([*(shared or []), *body])
     return out
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     ("budget", "prefix", "num_blocks"),
     [
-        (512, False, 1024),  # whole prompts in one step
-        (7, False, 1024),  # chunked prefill: 7 tokens a step
-        (16, True, 1024),  # prefix caching, chunked
-        (64, True, 40),  # too few blocks for everyone: preemption by recompute
+        (4096, False, 2048),  # whole prompts in one step
+        (61, False, 2048),  # chunked prefill: the 1,500-token prompt in 25 chunks
+        (64, True, 2048),  # prefix caching, chunked
+        (256, True, 420),  # too few blocks for everyone: preemption by recompute
     ],
     ids=["whole", "chunked", "prefix", "preempt"],
 )
 def test_32_concurrent_greedy_sequences_equal_transformers(
-    folder: Path, reference: Any, budget: int, prefix: bool, num_blocks: int
+    folders: dict[str, Path],
+    references: dict[str, Any],
+    family: str,
+    budget: int,
+    prefix: bool,
+    num_blocks: int,
 ) -> None:
+    folder, reference = folders[family], references[family]
     shared = list(range(10, 30)) if prefix else None
-    prompts = _prompts(32, seed=budget, shared=shared)
+    prompts = _prompts(32, seed=budget, shared=shared, longest=1500)
     lengths = [random.Random(i).randrange(1, 12) for i in range(32)]
     harness = _Harness(_model(folder, num_blocks), budget, prefix)
     try:
@@ -148,7 +177,7 @@ def test_32_concurrent_greedy_sequences_equal_transformers(
     if prefix:
         assert harness.engine.blocks.prefix_hit_tokens > 0
         assert any(s.deltas[-1].cached_tokens > 0 for s in sinks)
-    if num_blocks == 40:
+    if num_blocks == 420:
         assert stats.preemptions > 0
 
 
