@@ -57,7 +57,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repository: Path) -> Any:
-    running = InProcessServer(repository)
+    running = InProcessServer(repository, trace_dir=repository.parent / "traces")
+    running.trace_dir = repository.parent / "traces"
     yield running
     running.stop()
 
@@ -291,3 +292,45 @@ def test_a_client_that_goes_away_frees_its_sequence(server: Any) -> None:
     wait_until(lambda: engine.blocks.num_free == engine.blocks.num_blocks, 20, "blocks freed")
     assert engine.stats.finished.get("abort", 0) >= 1
     wait_until(lambda: _cancelled(server) == before + 1, 10, "the request counted cancelled")
+    usage = [
+        line
+        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+        if line.startswith("gpuserve_generation_kv_cache_usage{") and 'model="chat"' in line
+    ]
+    assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0.0  # back to idle
+
+
+def test_tritonclient_http_infer_gets_the_whole_text(server: Any, client: Any) -> None:
+    httpclient = pytest.importorskip("tritonclient.http")
+    whole = client.completions.create(model="chat", prompt="Berlin is", max_tokens=7, temperature=0)
+    triton = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    text = httpclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"Berlin is"], dtype=object))
+    params = httpclient.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([b'{"max_tokens": "7", "temperature": "0"}'], dtype=object))
+    result = triton.infer("chat", [text, params])
+    assert result.as_numpy("text_output")[0].decode() == "Berlin is" + whole.choices[0].text
+
+
+def test_one_trace_per_sequence_with_its_prefill_and_decode(server: Any, client: Any) -> None:
+    setting = f"{server.url}/v2/trace/setting"
+    trace_file = server.trace_dir / "generate.jsonl"
+    settings = {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_file": trace_file.name}
+    assert httpx.post(setting, json=settings, timeout=10).status_code == 200
+    try:
+        client.completions.create(model="chat", prompt="The quick", max_tokens=6, temperature=0)
+        client.completions.create(model="chat", prompt="Paris", max_tokens=4, n=2, temperature=0)
+    finally:
+        off = {"trace_level": None, "trace_rate": None, "trace_file": None}
+        httpx.post(setting, json=off, timeout=10)  # back to OFF: the file is closed
+    lines = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert len(lines) == 3  # one per sequence: n=2 is two
+    for line in lines:
+        assert line["model_name"] == "chat" and line["request_id"].startswith("cmpl-")
+        stamps = {s["name"]: s["ns"] for s in line["timestamps"]}
+        assert (
+            stamps["QUEUE_START"]
+            <= stamps["COMPUTE_START"]  # the first token: waiting and prefill before it
+            <= stamps["COMPUTE_END"]  # the last token: the decode before it
+            <= stamps["REQUEST_END"]
+        )

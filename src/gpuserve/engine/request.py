@@ -126,12 +126,16 @@ class RequestTiming:
         compute_s: The batch's preprocess + forward + postprocess.
         total_s: From admission to the response being ready.
         batch_size: Rows of the batch the request ran in (0: not batched by the engine).
+        tokens: A generated sequence's (prompt tokens, generated tokens); None for other
+            requests. Then ``queue_s`` runs from admission to the first token (waiting and
+            prefill) and ``compute_s`` is the decode, first token to last.
     """
 
     queue_s: float = 0.0
     compute_s: float = 0.0
     total_s: float = 0.0
     batch_size: int = 0
+    tokens: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpuserve.engine.generate.messages import GenerationDelta
 from gpuserve.engine.generate.streams import GenerationStream
+from gpuserve.engine.request import InferenceResponse, RequestTiming, RequestTrace
 from gpuserve.engine.runners.generate import GenerateRunner
-from gpuserve.errors import InvalidInputError
+from gpuserve.errors import InvalidInputError, RequestTimeoutError
 from gpuserve.service.inference import InferenceService, WireRequest
 
 
@@ -81,9 +83,14 @@ class GenerationService:
                 if not isinstance(runner, GenerateRunner):  # decode refuses it first
                     raise InvalidInputError(f"model '{model}' does not generate text")
                 trace = admission.request.trace
-                stream = runner.open_generation(admission.request)
+                try:
+                    stream = runner.open_generation(admission.request)
+                except BaseException as err:
+                    if trace is not None:
+                        trace.end(err)
+                    raise
                 if trace is not None:
-                    trace.end(None)  # admission's span; the sequence runs on the engine
+                    stream.listeners.append(_ender(trace, model, admission.version, wire))
                 streams.append(stream)
                 version, context = admission.version, runner.context_length
         except BaseException:
@@ -100,6 +107,37 @@ class GenerationService:
             if mv is not None and mv.config.generates:
                 names.append(name)
         return sorted(names)
+
+
+def _ender(
+    trace: RequestTrace, model: str, version: str, wire: WireRequest
+) -> Callable[[GenerationStream, GenerationDelta | None], None]:
+    """Ends a sequence's trace when its stream ends: a response whose timing is its time to
+    first token (waiting and prefill) and its decode; the error; None when cancelled."""
+    request_id = wire.request_id()
+
+    def end(stream: GenerationStream, final: GenerationDelta | None) -> None:
+        if final is None or final.finish_reason == "abort":
+            trace.end(None)
+            return
+        if final.error is not None:
+            trace.end(final.error)
+            return
+        if final.finish_reason == "timeout":
+            trace.end(RequestTimeoutError("the generation passed its deadline"))
+            return
+        now = time.monotonic()
+        first = stream.first_token_s or now
+        timing = RequestTiming(
+            queue_s=first - stream.opened_s,
+            compute_s=now - first,
+            total_s=now - stream.opened_s,
+            batch_size=1,
+            tokens=(final.prompt_tokens, final.completion_tokens),
+        )
+        trace.end(InferenceResponse(model, version, request_id, {}, timing, 1))
+
+    return end
 
 
 __all__ = ["GenerationCall", "GenerationService"]

@@ -11,6 +11,7 @@ as a :class:`~gpuserve.engine.runners.base.ResponseStream` of V2 responses with 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -47,6 +48,11 @@ class GenerationStream(DeltaSink):
         self.cached_tokens = 0
         #: The prompt as text (set by the runner for typed requests: ``echo``).
         self.prompt_text = ""
+        #: Monotonic seconds: when it was opened, when its first token arrived (None before).
+        self.opened_s = time.monotonic()
+        self.first_token_s: float | None = None
+        #: Called once with the stream and its finish reason (or the error) when it ends.
+        self.listeners: list[Callable[[GenerationStream, GenerationDelta | None], None]] = []
 
     def deliver(self, delta: GenerationDelta) -> None:
         """A delta from the engine (on the event loop thread)."""
@@ -55,10 +61,13 @@ class GenerationStream(DeltaSink):
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = delta.completion_tokens
         self.cached_tokens = delta.cached_tokens
+        if self.first_token_s is None and delta.token_ids:
+            self.first_token_s = time.monotonic()
         self._items.append(delta)
         if delta.finished:
             self._ended = True
             self._on_end(delta.finish_reason or "stop")
+            self._tell(delta)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -88,6 +97,11 @@ class GenerationStream(DeltaSink):
             self._read_final = True
         return delta
 
+    def _tell(self, final: GenerationDelta | None) -> None:
+        listeners, self.listeners = self.listeners, []
+        for listener in listeners:
+            listener(self, final)
+
     async def next_batch(self) -> list[GenerationDelta]:
         """Every delta available now (waiting for at least one); empty after the end. A
         reader slower than the engine gets several steps' deltas at once."""
@@ -112,6 +126,7 @@ class GenerationStream(DeltaSink):
         self._read_final = True
         self._cancel()
         self._on_end("abort")
+        self._tell(None)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
