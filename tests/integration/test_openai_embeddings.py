@@ -488,19 +488,20 @@ def test_a_model_that_is_not_ready_is_503(client):
 
 
 def test_unknown_paths_and_methods(server):
-    missing = httpx.get(f"{server.url}/v1/completions", timeout=10)
+    missing = httpx.get(f"{server.url}/v1/audio/speech", timeout=10)
     assert missing.status_code == 404
-    assert missing.json()["error"]["message"] == "Invalid URL (GET /v1/completions)"
-    wrong = httpx.get(f"{server.url}/v1/embeddings", timeout=10)
-    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert missing.json()["error"]["message"] == "Invalid URL (GET /v1/audio/speech)"
+    for path in ("/v1/embeddings", "/v1/completions", "/v1/chat/completions"):
+        wrong = httpx.get(f"{server.url}{path}", timeout=10)
+        assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
     bad_json = httpx.post(f"{server.url}/v1/embeddings", content=b"{", timeout=10)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     for method in ("POST", "PUT", "DELETE", "PATCH"):  # an unknown path is 404 whatever the method
-        other = httpx.request(method, f"{server.url}/v1/chat/completions", timeout=10)
+        other = httpx.request(method, f"{server.url}/v1/audio/speech", timeout=10)
         assert other.status_code == 404, method
         assert other.json() == {
             "error": {
-                "message": f"Invalid URL ({method} /v1/chat/completions)",
+                "message": f"Invalid URL ({method} /v1/audio/speech)",
                 "type": "invalid_request_error",
                 "param": None,
                 "code": None,
@@ -508,13 +509,13 @@ def test_unknown_paths_and_methods(server):
         }
 
 
-def test_chat_completions_is_openai_not_found_for_the_openai_client(client):
-    with pytest.raises(openai.NotFoundError) as caught:
+def test_chat_completions_of_an_embedding_model_is_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model="ids_model", messages=[{"role": "user", "content": "hello"}]
         )
-    assert caught.value.status_code == 404
-    assert caught.value.message.endswith("Invalid URL (POST /v1/chat/completions)")
+    assert caught.value.status_code == 400
+    assert "model 'ids_model' does not generate text" in caught.value.message
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ Triton's platforms map onto these when a ``config.pbtxt`` is read
 from __future__ import annotations
 
 from gpuserve.backends.base import Backend
+from gpuserve.config import ModelConfig
 
 BACKEND_NAMES = ("python", "torch", "onnx", "huggingface")
 
@@ -41,6 +42,16 @@ def backend_class(name: str) -> type[Backend]:
 
         return EnsembleBackend
     raise ValueError(f"unknown backend {name!r} (expected one of {', '.join(BACKEND_NAMES)})")
+
+
+def backend_for(config: ModelConfig) -> type[Backend]:
+    """The backend class of a model's config: as :func:`backend_class`, except that a
+    generative model (``config.generates``) gets the causal LM backend."""
+    if config.generates:
+        from gpuserve.backends.causal_lm.backend import CausalLMBackend
+
+        return CausalLMBackend
+    return backend_class(config.backend)
 
 
 def create_backend(name: str) -> Backend:

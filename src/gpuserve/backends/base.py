@@ -26,12 +26,15 @@ import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gpuserve.config import ModelConfig
 from gpuserve.errors import BackendError, ConfigError
+
+if TYPE_CHECKING:
+    from gpuserve.backends.causal_lm.backend import GenerationModel
 
 # int8 (dynamic quantisation) keeps float32 activations.
 _PRECISION_TO_TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32"}
@@ -189,6 +192,9 @@ class Capabilities:
         count_tokens: Counts the tokens of texts as the model would (the OpenAI route's usage
             and token budgets), or None.
         tokenize: The model's tokenizer (TEI's ``/tokenize``; thread-safe), or None.
+        generation: A generative model's loaded model, tokenizer and KV cache
+            (:class:`~gpuserve.backends.causal_lm.backend.GenerationModel`): the version
+            runs on the generation runner, whose engine loop runs on the instance thread.
     """
 
     streams: bool = False
@@ -200,6 +206,7 @@ class Capabilities:
     admission: AdmissionStep | None = None
     count_tokens: TokenCounter | None = None
     tokenize: TextTokenizer | None = None
+    generation: GenerationModel | None = None
 
     @classmethod
     def common(cls, each: Sequence[Capabilities]) -> Capabilities:
@@ -220,6 +227,7 @@ class Capabilities:
             admission=first.admission,
             count_tokens=first.count_tokens,
             tokenize=first.tokenize,
+            generation=first.generation,
         )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuserve.backends import create_backend
+from gpuserve.backends import backend_for
 from gpuserve.backends.base import Backend, LoadContext
 from gpuserve.backends.precision_gate import (
     HELDOUT_RESOURCE,
@@ -85,7 +85,7 @@ def load_at(model: TextModel, precision: str, device: str = "cpu") -> Backend:
     config = model.config.model_copy(
         update={"precision": precision, "precision_check": PrecisionCheckConfig(enabled=False)}
     )
-    backend = create_backend(config.backend)
+    backend = backend_for(config)()
     backend.load(
         LoadContext(
             config=config,

@@ -85,9 +85,12 @@ class HuggingFaceConfig(_Strict):
             ``sequence-classification`` (outputs ``LOGITS``, ``PROBABILITIES``, ``LABEL``;
             an optional ``TEXT_PAIR`` input for pairs: a cross-encoder with one label is a
             reranker) or ``sparse-embedding`` (a masked-LM model with SPLADE pooling,
-            outputs ``SPARSE_INDICES``, ``SPARSE_VALUES``).
+            outputs ``SPARSE_INDICES``, ``SPARSE_VALUES``) or ``text-generation`` (a causal
+            language model served with continuous batching; see the ``generate`` section).
         model_dir: Folder with ``config.json``, the weights and the tokenizer files; relative
-            paths are relative to the version folder. None: the version folder itself.
+            paths are relative to the version folder. None: the version folder itself. For
+            ``text-generation`` also a GGUF file, or ``package:NAME/FILE`` for a file shipped
+            inside an installed Python package (found without importing it).
         max_length: Longest tokenised input, tokens. None: ``max_seq_length`` of a
             sentence-transformers folder, else the tokenizer's ``model_max_length``, capped
             by the model's ``max_position_embeddings``.
@@ -106,9 +109,9 @@ class HuggingFaceConfig(_Strict):
             on a GPU, and a model it cannot run fails to load; ``false``: padded batches.
     """
 
-    task: Literal["feature-extraction", "sequence-classification", "sparse-embedding"] = (
-        "feature-extraction"
-    )
+    task: Literal[
+        "feature-extraction", "sequence-classification", "sparse-embedding", "text-generation"
+    ] = "feature-extraction"
     model_dir: str | None = None
     max_length: int | None = Field(default=None, ge=2, le=1_000_000)
     truncation: bool = True

@@ -27,6 +27,7 @@ from gpuserve.config.base import Strict as _Strict
 from gpuserve.config.base import check_dims
 from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
 from gpuserve.config.ensemble import EnsembleConfig, graph_problem
+from gpuserve.config.generate import GenerateConfig
 from gpuserve.config.keys import unknown_key_hint
 from gpuserve.config.padding import padding_problem
 from gpuserve.config.precision import PrecisionCheckConfig
@@ -318,6 +319,9 @@ class ModelConfig(_Strict):
             with a stream of responses (see ``TransactionPolicyConfig``; backend python).
         sequence_batching: Serve a stateful model with the sequence batcher (see
             :mod:`gpuserve.config.sequence`); None: the dynamic batcher.
+        generate: Serve a causal language model with continuous batching (see
+            :mod:`gpuserve.config.generate`); implied by ``huggingface.task:
+            text-generation``.
         model_warmup: Requests each instance runs before the version serves (Triton's
             ``model_warmup``, see :mod:`gpuserve.config.warmup`).
     """
@@ -346,11 +350,20 @@ class ModelConfig(_Strict):
     idle_unload_s: float | None = Field(default=None, ge=0)
     expected_memory_bytes: int | None = Field(default=None, ge=0)
     sequence_batching: SequenceBatchingConfig | None = None
+    generate: GenerateConfig | None = None
     ensemble: EnsembleConfig | None = None
     model_transaction_policy: TransactionPolicyConfig = Field(
         default_factory=TransactionPolicyConfig
     )
     model_warmup: list[WarmupSample] = Field(default_factory=list)
+
+    @property
+    def generates(self) -> bool:
+        """Whether this is a generative model (a ``generate`` section, or the huggingface
+        backend's ``text-generation`` task)."""
+        return self.generate is not None or (
+            self.backend == "huggingface" and self.huggingface.task == "text-generation"
+        )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -359,7 +372,19 @@ class ModelConfig(_Strict):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{label} names must be unique; repeated: {dupes}")
-        if self.model_transaction_policy.decoupled and self.backend != "python":
+        if self.generate is not None and self.backend != "huggingface":
+            raise ValueError(
+                "a 'generate' section needs backend 'huggingface' (a causal language model "
+                f"folder or GGUF file), got backend {self.backend!r}"
+            )
+        if self.generates and self.max_batch_size not in (0, 8):
+            raise ValueError(
+                "a generative model is batched by its 'generate' section (max_running, "
+                f"max_tokens_per_step), not max_batch_size (got {self.max_batch_size})"
+            )
+        if self.model_transaction_policy.decoupled and not (
+            self.backend == "python" or self.generates
+        ):
             raise ValueError(
                 "model_transaction_policy.decoupled needs backend 'python' (a Model.generate "
                 f"generator or Triton's response sender), got backend {self.backend!r}"

@@ -83,7 +83,9 @@ class Instance:
         self._outputs = OutputSpec.of(self.config)
         self._padding = PaddingSpec.of(self.config)
         self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
-        self._first: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
+        self._first: queue.SimpleQueue[BatchResult | Callable[[], None] | None] = (
+            queue.SimpleQueue()
+        )
         self._threads: list[threading.Thread] = []
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
@@ -107,7 +109,7 @@ class Instance:
         else:
             forward_q: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
             post_q: queue.SimpleQueue[BatchResult | None] = queue.SimpleQueue()
-            self._spawn("pre", lambda: self._stage_loop(self._first, self._preprocess, forward_q))
+            self._spawn("pre", lambda: self._first_stage_loop(forward_q))
             self._spawn("fwd", lambda: self._forward_loop(forward_q, post_q))
             self._spawn("post", lambda: self._stage_loop(post_q, self._postprocess, None))
         self._loaded.wait(timeout_s)
@@ -123,6 +125,14 @@ class Instance:
     def submit(self, batch: Batch) -> None:
         """Queue ``batch`` for execution (non-blocking)."""
         self._first.put(BatchResult(batch))
+
+    def run_loop(self, loop: Callable[[], None]) -> None:
+        """Run ``loop`` on this instance's thread, where the backend loaded (the generation
+        engine's step loop); it returns when its owner stops it, then :meth:`stop` unloads
+        the backend. Only for instances of pipeline depth 1 (one thread)."""
+        if self.capacity != 1:
+            raise RuntimeError(f"instance {self.name}: run_loop needs pipeline depth 1")
+        self._first.put(loop)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish queued batches, unload the backend and end the threads."""
@@ -202,10 +212,28 @@ class Instance:
         if not self._load():
             return
         while (job := self._first.get()) is not None:
+            if not isinstance(job, BatchResult):  # a loop handed over by run_loop
+                self._run_handed(job)
+                continue
             self._preprocess(job)
             self._forward(job)
             self._postprocess(job)
         self._unload()
+
+    def _run_handed(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:
+            logger.exception("instance %s: its loop failed", self.name)
+
+    def _first_stage_loop(self, outbox: queue.SimpleQueue[BatchResult | None]) -> None:
+        while (job := self._first.get()) is not None:
+            if not isinstance(job, BatchResult):
+                self._run_handed(job)
+                continue
+            self._preprocess(job)
+            outbox.put(job)
+        outbox.put(None)
 
     def _stage_loop(
         self,
@@ -393,7 +421,10 @@ def _unpad(
 
 def resolve_pipeline_depth(config: ModelConfig, device: str) -> int:
     """Batches in flight for an instance on ``device`` (``optimization.pipeline_depth``,
-    0 = 3 on CUDA devices, 1 elsewhere)."""
+    0 = 3 on CUDA devices, 1 elsewhere); always 1 for a generative model, whose engine
+    loop owns its one thread."""
+    if config.generates:
+        return 1
     depth = config.optimization.pipeline_depth
     if depth:
         return depth

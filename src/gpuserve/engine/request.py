@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gpuserve.engine.generate.messages import GenerationInput
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +94,8 @@ class InferenceRequest:
         cost: Lengths per row from the model's admission step, or None when the model
             declares none (every row then counts as one unit).
         trace: The request's trace when tracing sampled it, else None.
+        generation: What a typed generation API (OpenAI's completions and chat) asked a
+            generative model for, in place of ``inputs``; None for tensor requests.
         awaited_until: Monotonic time (s) after which its caller no longer waits for the
             answer (a model's call with a timeout), or None: until answered. Calls the
             request's model makes while it runs pass it on, and are refused once it has
@@ -109,6 +114,7 @@ class InferenceRequest:
     cost: RequestCost | None = None
     trace: RequestTrace | None = None
     awaited_until: float | None = None
+    generation: GenerationInput | None = None
 
 
 @dataclass(slots=True)
@@ -120,12 +126,16 @@ class RequestTiming:
         compute_s: The batch's preprocess + forward + postprocess.
         total_s: From admission to the response being ready.
         batch_size: Rows of the batch the request ran in (0: not batched by the engine).
+        tokens: A generated sequence's (prompt tokens, generated tokens); None for other
+            requests. Then ``queue_s`` runs from admission to the first token (waiting and
+            prefill) and ``compute_s`` is the decode, first token to last.
     """
 
     queue_s: float = 0.0
     compute_s: float = 0.0
     total_s: float = 0.0
     batch_size: int = 0
+    tokens: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from gpuserve.backends import backend_class, create_backend
+from gpuserve.backends import backend_for
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.completion import require_declared
 from gpuserve.engine.admission import AdmissionPool
@@ -54,7 +54,7 @@ async def load_version(
         # The backend completes the config from this version's model file (or checks it
         # against it) before anything is built, so the runner, the protocol and the
         # config endpoints all see the completed config.
-        backend = backend_class(mv.config.backend)
+        backend = backend_for(mv.config)
         if not auto_complete:  # Triton's strict model config: nothing is filled in
             require_declared(mv.config, mv.path)
         complete = functools.partial(backend.complete_config, auto_complete=auto_complete)
@@ -124,7 +124,7 @@ def start_instance(
     )
     instance = Instance(
         f"{mv.model}:{mv.version}#{index}",
-        create_backend(mv.config.backend),
+        backend_for(mv.config)(),
         context,
         on_done,
         pipeline_depth=resolve_pipeline_depth(mv.config, device),

@@ -342,10 +342,10 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
 
 def _check_complete_config(config: ModelConfig, version_path: Path) -> ModelConfig | list[str]:
     """The config completed from the version's model file, or its problems."""
-    from gpuserve.backends import backend_class
+    from gpuserve.backends import backend_for
 
     try:
-        return backend_class(config.backend).complete_config(config, version_path)
+        return backend_for(config).complete_config(config, version_path)
     except ConfigError as err:
         return [err.message]
     except Exception as err:  # a model file the backend cannot read

@@ -22,7 +22,7 @@ import logging
 import threading
 from pathlib import Path
 
-from gpuserve.backends import create_backend
+from gpuserve.backends import backend_for
 from gpuserve.backends.base import LoadContext
 from gpuserve.config import ModelConfig
 from gpuserve.config.reshape import uses_reshape
@@ -93,9 +93,7 @@ def trial_problems(config: ModelConfig, version_path: Path, version: int) -> lis
         parameters=dict(config.parameters),
     )
     name = config.name or version_path.parent.name
-    instance = Instance(
-        f"{name}:{version}#validate", create_backend(config.backend), context, on_done
-    )
+    instance = Instance(f"{name}:{version}#validate", backend_for(config)(), context, on_done)
     quiet = logging.getLogger("gpuserve.engine.instance")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # the problem line says it; no second copy in the log

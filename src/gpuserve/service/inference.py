@@ -52,6 +52,7 @@ from gpuserve.engine.runners.base import ResponseStream, VersionRunner
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import GpuserveError, UnavailableError
 from gpuserve.metrics import ServerMetrics
+from gpuserve.metrics.generation import GenerationCollector
 from gpuserve.metrics.responses import ResponseCollector
 from gpuserve.metrics.sequences import SequenceCollector, manager_schedulers
 from gpuserve.repository.manager import ModelManager
@@ -157,6 +158,7 @@ class InferenceService:
             manager.on_demand.listeners.append(metrics.on_residency)
             metrics.registry.register(SequenceCollector(manager_schedulers(manager)))
             metrics.registry.register(ResponseCollector(manager_schedulers(manager)))
+            metrics.registry.register(GenerationCollector(manager_schedulers(manager)))
         return cls(manager, config, metrics)
 
     # -- admission -------------------------------------------------------------------------

@@ -125,10 +125,15 @@ class OtelSink:
                 span.set_attribute("request_id", outcome.id)
             queue, compute, computed = stage_stamps(trace.start_ns, end, timing)
             context = self._api.set_span_in_context(span)
+            stages = ("queue", "compute")
+            if timing.tokens is not None:  # a generated sequence: OpenTelemetry's GenAI names
+                stages = ("prefill", "decode")
+                span.set_attribute("gen_ai.usage.input_tokens", timing.tokens[0])
+                span.set_attribute("gen_ai.usage.output_tokens", timing.tokens[1])
             for name, start, stop in (
                 ("admission", trace.start_ns, queue),
-                ("queue", queue, compute),
-                ("compute", compute, computed),
+                (stages[0], queue, compute),
+                (stages[1], compute, computed),
                 ("response", computed, end),
             ):
                 child = self._tracer.start_span(name, context=context, start_time=start)

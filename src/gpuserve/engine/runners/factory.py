@@ -4,6 +4,9 @@ The repository's loader starts a version's instances (each reports its backend's
 :class:`~gpuserve.backends.base.Capabilities` once, after load) and calls
 :func:`build_runner`, which picks the runner once for the version's whole life:
 
+* generative (the backend loaded a causal LM, ``generate:``): a
+  :class:`~gpuserve.engine.runners.generate.GenerateRunner`, continuous batching over a paged
+  KV cache;
 * decoupled (``model_transaction_policy.decoupled``): a
   :class:`~gpuserve.engine.runners.streaming.StreamingRunner`; its backend must stream;
 * otherwise: a :class:`~gpuserve.engine.runners.batching.BatchingRunner` whose batcher (dynamic,
@@ -11,7 +14,7 @@ The repository's loader starts a version's instances (each reports its backend's
   rows, row ids) and the device (the default token budget).
 
 Ensembles have no instances: :func:`build_ensemble_runner`. A new execution mode (a response
-cache, continuous batching) is one more runner chosen here.
+cache) is one more runner chosen here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from gpuserve.engine.instance import Instance
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.engine.runners.batching import BatchingRunner
 from gpuserve.engine.runners.ensemble import EnsembleRunner, StepRouter
+from gpuserve.engine.runners.generate import GenerateRunner
 from gpuserve.engine.runners.streaming import StreamingRunner
 from gpuserve.errors import ConfigError
 
@@ -70,6 +74,10 @@ def build_runner(
             whose backend does not stream).
     """
     capabilities = Capabilities.common([instance.capabilities for instance in instances])
+    if capabilities.generation is not None:
+        generating = GenerateRunner(config, version, capabilities, admission_pool)
+        generating.attach(instances, loop)
+        return generating
     if config.model_transaction_policy.decoupled:
         if instances and not capabilities.streams:
             raise ConfigError(

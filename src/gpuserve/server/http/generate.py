@@ -18,14 +18,13 @@ one, and each output by name (BYTES as text; one element as a scalar, more as a 
   ended), then the connection closes. A failure before the first
   event is an ordinary JSON error with its status; one after it is a last event
   ``data: {"error": "..."}`` (the status already went out as 200). When the client reads
-  slowly the events wait in the socket's buffer up to :data:`WRITE_BUFFER_BYTES`, then the
-  stream stops pulling from the model (whose own bounded buffer then blocks it); when the
+  slowly the events wait in the socket's buffer up to
+  :data:`~gpuserve.server.http.events.WRITE_BUFFER_BYTES`, then the stream stops pulling from the model (whose own bounded buffer then blocks it); when the
   client goes away the model's stream is cancelled.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ from gpuserve.errors import GpuserveError, InvalidInputError
 from gpuserve.protocol.binary import bytes_as_text
 from gpuserve.protocol.http_codec import HttpInferBody
 from gpuserve.protocol.limits import RequestLimits
+from gpuserve.server.http.events import END, EVENT_HEAD, drained, write_event
 from gpuserve.server.http.request import HttpRequest, traceparent
 from gpuserve.server.security import Redactor
 from gpuserve.service.inference import Admission, InferenceService
@@ -45,22 +45,6 @@ from gpuserve.service.streaming import ResponseStream
 
 #: The two endpoints, as the last part of a model path.
 ENDPOINTS = ("generate", "generate_stream")
-
-#: Bytes of events the socket may hold unsent before the stream stops pulling responses.
-WRITE_BUFFER_BYTES = 256 * 1024
-#: Seconds between two looks at a socket whose client is not reading.
-DRAIN_POLL_S = 0.005
-
-_EVENT_HEAD = (
-    b"HTTP/1.1 200 OK\r\n"
-    b"content-type: text/event-stream; charset=utf-8\r\n"
-    b"cache-control: no-cache\r\n"
-    b"x-accel-buffering: no\r\n"
-    b"transfer-encoding: chunked\r\n"
-    b"connection: close\r\n\r\n"
-)
-#: The last chunk: the stream ended as it should (a cut connection lacks it).
-_END = b"0\r\n\r\n"
 
 _NAMED = {"id", "parameters"}
 
@@ -205,49 +189,28 @@ class GenerateApi:
                     if request.is_disconnected():
                         break
                     request.answered = True  # the event stream replaces respond()
-                    transport.write(_EVENT_HEAD)
+                    transport.write(EVENT_HEAD)
                     started = True
-                sent += _write_event(request, payload)
-                if not await _drained(request):
+                sent += write_event(request, orjson.dumps(payload))
+                if not await drained(request):
                     break  # the client went away
         except GpuserveError as err:  # e.g. an output that cannot be encoded
             if not started:
                 self.fail(request, err)
                 return
             if not transport.is_closing():
-                _write_event(request, {"error": self.redactor.text(err.message)})
+                write_event(request, orjson.dumps({"error": self.redactor.text(err.message)}))
         finally:
             stream.cancel()  # a no-op after the final response
         if not started:
             if request.is_disconnected():
                 return
             request.answered = True
-            transport.write(_EVENT_HEAD)
+            transport.write(EVENT_HEAD)
         if not transport.is_closing():
-            transport.write(_END)
+            transport.write(END)
             transport.close()  # flushes what is buffered, then closes
         self.log(request, 200, sent)
-
-
-def _write_event(request: HttpRequest, payload: dict[str, Any]) -> int:
-    """Write one server-sent event as one chunk; returns its size in bytes."""
-    event = b"data: " + orjson.dumps(payload) + b"\n\n"
-    # counted as activity: a long stream that writes is not idle (a client that stops
-    # reading is still dropped after the keep-alive timeout: nothing is written meanwhile)
-    if not request.connection.write_streamed(b"%x\r\n%b\r\n" % (len(event), event)):
-        return 0
-    return len(event)
-
-
-async def _drained(request: HttpRequest) -> bool:
-    """Wait while the socket holds more than :data:`WRITE_BUFFER_BYTES` unsent; False when
-    the client went away."""
-    transport = request.connection.transport
-    while transport is not None and transport.get_write_buffer_size() > WRITE_BUFFER_BYTES:
-        if request.is_disconnected() or transport.is_closing():
-            return False
-        await asyncio.sleep(DRAIN_POLL_S)
-    return not request.is_disconnected()
 
 
 class _GenerateBody:

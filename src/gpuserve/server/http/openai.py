@@ -3,10 +3,12 @@
 Endpoints::
 
     POST /v1/embeddings        embeddings of one or more inputs (OpenAI's body and answer)
+    POST /v1/completions       text completion by a generative model (see
+    POST /v1/chat/completions  gpuserve.server.http.openai_generate; streamed as events)
     POST /v1/rerank            Cohere/Jina rerank (handed to
                                gpuserve.server.http.retrieval_api; Cohere's errors)
-    GET  /v1/models            the models serving embeddings, rerank, classification or
-                               sparse embeddings now
+    GET  /v1/models            the models serving embeddings, rerank, classification,
+                               sparse embeddings or text generation now
     GET  /v1/models/{model}    one of them
 
 The wire is :mod:`gpuserve.protocol.openai_codec`; the work is
@@ -40,7 +42,9 @@ from gpuserve.protocol.openai_codec import (
     load_body,
     parse_embeddings,
 )
+from gpuserve.protocol.openai_generate import Kind
 from gpuserve.server.http.openai_errors import OpenAIHttpError, error_answer
+from gpuserve.server.http.openai_generate import GenerationApi
 from gpuserve.server.http.request import HttpRequest, respond_json
 from gpuserve.server.security import Redactor, Tokens
 from gpuserve.server.timing import (
@@ -64,6 +68,8 @@ logger = logging.getLogger(__name__)
 PREFIX = "/v1"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
+#: Generation endpoints -> the kind of body each takes.
+GENERATION: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 MODELS = "/v1/models"
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
@@ -102,6 +108,7 @@ class OpenAIApi:
         self.redactor = redactor
         self.access_log = access_log
         self._spawn = spawn
+        self.generation = GenerationApi(service, redactor, access_log, self._fail)
         #: ``POST /v1/rerank``: set by the HTTP app to the retrieval API's handler.
         self.rerank: Callable[[HttpRequest, str, object], None] | None = None
 
@@ -112,7 +119,7 @@ class OpenAIApi:
         model = "-"
         try:
             if self.tokens.api is not None and not self.tokens.allows_api(request.headers):
-                if path == EMBEDDINGS:
+                if path == EMBEDDINGS or path in GENERATION:
                     self.service.record_unrouted("", None, UnauthenticatedError.reason)
                 raise UnauthenticatedError(
                     "this endpoint needs 'Authorization: Bearer <API token>'"
@@ -123,6 +130,14 @@ class OpenAIApi:
                         405, f"{method} {path}: use POST", code="method_not_allowed"
                     )
                 self.rerank(request, method, None)
+                return
+            kind = GENERATION.get(path)
+            if kind is not None:
+                if method != "POST":
+                    raise OpenAIHttpError(
+                        405, f"{method} {path}: use POST", code="method_not_allowed"
+                    )
+                self._spawn(self.generation.handle(request, kind))
                 return
             if path == EMBEDDINGS:
                 if method != "POST":
@@ -151,11 +166,13 @@ class OpenAIApi:
         self._send(request, 200, payload, AccessRecord("", request.method, request.path, 200))
 
     def _models(self) -> list[EmbeddingModelView]:
-        """Every model serving embeddings or a retrieval kind, by name."""
+        """Every model serving embeddings, a retrieval kind or generation, by name."""
         views = {view.id: view for view in self.embeddings.models()}
         for name, model in sorted(self.service.manager.models.items()):
             mv = model.route.default
-            if name not in views and mv is not None and any(serves(mv.config, k) for k in KINDS):
+            if name in views or mv is None:
+                continue
+            if mv.config.generates or any(serves(mv.config, k) for k in KINDS):
                 views[name] = EmbeddingModelView(name, created(mv.path))
         return [views[name] for name in sorted(views)]
 

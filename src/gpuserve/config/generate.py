@@ -1,0 +1,89 @@
+"""The ``generate:`` section of a model's config: a generative (causal) language model served
+with continuous batching over a paged KV cache.
+
+A model with this section (or ``backend: huggingface`` with ``huggingface.task:
+text-generation``) runs on the generation runner: every engine step runs the next token of
+every running sequence plus prefill chunks of new prompts, within ``max_tokens_per_step``.
+Its KV cache is split into blocks of ``block_size`` tokens; a sequence holds a table of blocks,
+prompts that start alike share their full blocks (prefix caching), and when blocks run out the
+newest sequence is preempted and recomputed later (never an out-of-memory error).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from gpuserve.config.base import Strict
+
+
+class SamplingDefaults(Strict):
+    """Defaults for the sampling values a request leaves out (OpenAI's names).
+
+    Attributes:
+        max_tokens: Tokens generated when the request names no ``max_tokens``.
+        temperature: 0 is greedy decoding.
+        top_p: Nucleus sampling mass, (0, 1].
+        top_k: Keep the k most likely tokens; 0 keeps all.
+        min_p: Drop tokens below ``min_p`` times the most likely one's probability.
+        repetition_penalty: Penalty on tokens already in the prompt or output (1: none).
+    """
+
+    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+
+
+class GenerateConfig(Strict):
+    """Serve the model as a text generator (OpenAI ``/v1/completions`` and
+    ``/v1/chat/completions``, Triton's generate extension, V2 infer and gRPC streams with the
+    tensors of Triton's vLLM backend).
+
+    Attributes:
+        context_length: Longest sequence (prompt + generated tokens), tokens. None: the
+            model's own (``max_position_embeddings``, the GGUF ``context_length``), capped at
+            ``max_context_length``.
+        max_context_length: Cap on the context length taken from the model, tokens.
+        kv_cache_bytes: Memory for the KV cache, bytes. None: on a GPU, 80% of what is free
+            after loading the weights; on a CPU, enough for ``max_running`` sequences of
+            ``context_length`` tokens, at most 2 GiB.
+        block_size: Tokens per KV cache block.
+        max_running: Most sequences generating at once (the decode batch).
+        max_tokens_per_step: Token budget of one engine step (decodes first, then prefill
+            chunks): a long prompt is prefilled in chunks of at most this size, so running
+            sequences keep getting their next tokens.
+        max_waiting: Most sequences waiting for a slot; more are refused with 429.
+        prefix_caching: Reuse the KV blocks of prompt prefixes already computed (a shared
+            system prompt is computed once).
+        max_n: Most completions one request may ask for (``n``).
+        max_stop_strings: Most stop strings one request may give.
+        max_top_logprobs: Largest ``top_logprobs`` a request may ask for.
+        sampling: Defaults for sampling values a request leaves out.
+        chat_template: A Jinja chat template replacing the model's own (the tokenizer's, or
+            the GGUF file's ``tokenizer.chat_template``).
+    """
+
+    context_length: int | None = Field(default=None, ge=16, le=1_048_576)
+    max_context_length: int = Field(default=8192, ge=16, le=1_048_576)
+    kv_cache_bytes: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    max_running: int = Field(default=64, ge=1, le=4096)
+    max_tokens_per_step: int = Field(default=512, ge=1, le=1_048_576)
+    max_waiting: int = Field(default=1024, ge=1, le=1_000_000)
+    prefix_caching: bool = True
+    max_n: int = Field(default=16, ge=1, le=256)
+    max_stop_strings: int = Field(default=16, ge=0, le=256)
+    max_top_logprobs: int = Field(default=20, ge=0, le=100)
+    sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    chat_template: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateConfig:
+        if self.context_length is not None and self.context_length > self.max_context_length:
+            self.max_context_length = self.context_length
+        return self
+
+
+__all__ = ["GenerateConfig", "SamplingDefaults"]
