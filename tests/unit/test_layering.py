@@ -2,7 +2,9 @@
 backends): the engine never imports the server, the service, the metrics layer,
 prometheus_client, gRPC or the HTTP stack; backends never import the engine, the server, the
 service, the wire formats (protocol) or the built-in models (shared text helpers are in
-gpuserve.text); the inference service imports no front end and no wire format (server, protocol,
+gpuserve.text); the text helpers, below the backends, import none of them (the admission step
+built on them answers in the backend contract's terms, so it is a backend module); the
+inference service imports no front end and no wire format (server, protocol,
 gRPC, protobuf, HTTP); one front end never imports another (``server.grpc`` nothing of
 ``server.http``), and no front end reaches the model manager but through the service. Checked
 statically (every import statement, including function-local ones and ``TYPE_CHECKING`` blocks)
@@ -49,6 +51,7 @@ FORBIDDEN = {
         "google.protobuf",
         "httptools",
     ),
+    "text": ("gpuserve.backends",),
     "server": ("gpuserve.repository.manager",),
     "server/grpc": ("gpuserve.server.http",),
     "server/http": ("gpuserve.server.grpc",),
@@ -124,6 +127,24 @@ def test_importing_the_engine_loads_no_server_or_metrics_module():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+#: Imports that once ran up the layers, each as the file that had it and the line: the
+#: check must find every one of them again if it comes back.
+UPWARD = [
+    ("text", "truncation.py", "from gpuserve.backends.base import Admitted\n"),
+]
+
+
+@pytest.mark.parametrize(("layer", "file", "line"), UPWARD, ids=[u[0] for u in UPWARD])
+def test_the_check_finds_an_upward_import_put_back(tmp_path, monkeypatch, layer, file, line):
+    fake = tmp_path / "gpuserve"
+    target = fake / layer / file
+    target.parent.mkdir(parents=True)
+    target.write_text("from __future__ import annotations\n\n" + line)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    found = violations(layer)
+    assert found and all(entry.split(":")[1].split()[0] == "3" for entry in found), found
 
 
 def test_the_check_sees_a_front_end_importing_another(tmp_path, monkeypatch):
