@@ -1,14 +1,17 @@
 """Imports point one way (STYLE.md habit 1, DESIGN.md: cli -> server -> service -> engine ->
 backends): the engine never imports the server, the service, the metrics layer,
 prometheus_client, gRPC or the HTTP stack; backends never import the engine, the server, the
-service, the wire formats (protocol) or the built-in models (shared text helpers are in
-gpuserve.text); the text helpers, below the backends, import none of them (the admission step
-built on them answers in the backend contract's terms, so it is a backend module); the
-inference service imports no front end and no wire format (server, protocol,
+service, the wire formats (protocol), the built-in models (shared text helpers are in
+gpuserve.text) or the repository layer (Triton's form of a configuration, which the Python
+backend hands its models, is in gpuserve.config, its datatype names in gpuserve.datatypes);
+the repository imports no wire format (its Triton reader builds plain configs; the gRPC front
+end makes the protobuf message); the text helpers, below the backends, import none (the
+admission step built on them answers in the backend contract's terms, so it is a backend
+module); the inference service imports no front end and no wire format (server, protocol,
 gRPC, protobuf, HTTP); one front end never imports another (``server.grpc`` nothing of
 ``server.http``), and no front end reaches the model manager but through the service. Checked
 statically (every import statement, including function-local ones and ``TYPE_CHECKING`` blocks)
-and at run time (what importing the engine pulls in)."""
+and at run time (what importing the engine pulls in)"""
 
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ FORBIDDEN = {
         "gpuserve.protocol",
         "gpuserve.service",
         "gpuserve.models",
+        "gpuserve.repository",
     ),
+    "repository": ("gpuserve.protocol",),
     "service": (
         "gpuserve.server",
         "gpuserve.cli",
@@ -133,10 +138,30 @@ def test_importing_the_engine_loads_no_server_or_metrics_module():
 #: check must find every one of them again if it comes back.
 UPWARD = [
     ("text", "truncation.py", "from gpuserve.backends.base import Admitted\n"),
+    (
+        "backends",
+        "triton_python/auto_complete.py",
+        "from gpuserve.repository.triton_config import DATATYPES\n",
+    ),
+    (
+        "backends",
+        "triton_python/backend.py",
+        "from gpuserve.repository.triton_model_config import triton_model_config_dict\n",
+    ),
+    (
+        "repository",
+        "triton_model_config.py",
+        "from gpuserve.protocol.protos import model_config_pb2\n",
+    ),
+    (
+        "repository",
+        "triton_scheduling.py",
+        "from ..protocol.protos import model_config_pb2 as mc\n",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("layer", "file", "line"), UPWARD, ids=[u[0] for u in UPWARD])
+@pytest.mark.parametrize(("layer", "file", "line"), UPWARD, ids=[u[1] for u in UPWARD])
 def test_the_check_finds_an_upward_import_put_back(tmp_path, monkeypatch, layer, file, line):
     fake = tmp_path / "gpuserve"
     target = fake / layer / file
