@@ -15,6 +15,12 @@ runner:
 * ``ensemble``: an ensemble of one step over a dynamic-batching ``conf_step`` (EnsembleRunner;
   the step enters the step model's runner).
 
+Requests enter over HTTP (``POST /v2/models/conf/infer``) and, for the cases of one answer on
+every path (section 8), also as a model's call to ``conf`` (business-logic scripting: the
+test's thread calls through an :class:`~gpuserve.engine.calls.InProcessCaller`, as a model's
+instance thread does): one mistake gets one status and one message, whichever the runner and
+whichever the entry.
+
 The model's markers (first element of a row, the second element a tag):
 
 * ``-1``: its admission step (``admit``) refuses the request (400);
@@ -139,9 +145,11 @@ ensemble:
 """
 
 
-def write_python(root: Path, name: str, scheduling: str, events: Path) -> None:
+def write_python(
+    root: Path, name: str, scheduling: str, events: Path, common: str = COMMON
+) -> None:
     (root / name / "1").mkdir(parents=True)
-    (root / name / "config.yaml").write_text(COMMON + scheduling)
+    (root / name / "config.yaml").write_text(common + scheduling)
     code = MODEL_CODE.format(events=str(events), refusal=REFUSAL)
     (root / name / "1" / "model.py").write_text(textwrap.dedent(code).lstrip())
 
@@ -204,6 +212,22 @@ class Kind:
         return self.http.post(
             f"/v2/models/{MODEL}/infer", json=self.body(x, **parameters), timeout=timeout_s
         )
+
+    def call(self, x: np.ndarray, outputs: list[str] | None = None) -> tuple[int, str]:
+        """``conf`` called as a model calls it (:class:`InProcessCaller`, from this thread);
+        the HTTP status and message of its error, or ``(200, "")``."""
+        from gpuserve.engine.calls import InProcessCaller
+        from gpuserve.errors import GpuserveError
+        from gpuserve.server.status import http_status
+
+        loop = self.server.server._loop  # the server's event loop, where runners run
+        caller = InProcessCaller(self.server.manager, loop, "conformance_test")
+        parameters = self.body(x).get("parameters")  # a sequence of its own for the kind
+        try:
+            caller(MODEL, {"X": x}, outputs=outputs, parameters=parameters, timeout_s=30)
+        except GpuserveError as err:
+            return http_status(err), err.message
+        return 200, ""
 
     def stats(self) -> dict:
         answer = self.http.get(f"/v2/models/{MODEL}/stats")
@@ -452,6 +476,54 @@ def test_metrics_count_the_requests_of_the_model(kind: Kind):
     assert kind.infer(rows(-1.0)).status_code == 400
     assert requests_total(kind.url, "success") == success_before + 3
     assert requests_total(kind.url, "failure", "invalid") == invalid_before + 1
+
+
+# -- 8. one mistake, one answer, on every path ------------------------------------------------
+
+
+def http_answer(kind: Kind, body: dict) -> tuple[int, str]:
+    answer = kind.http.post(f"/v2/models/{MODEL}/infer", json=body)
+    return answer.status_code, error_of(answer)
+
+
+def test_an_undeclared_output_requested_gets_one_answer_on_every_entry(kind: Kind):
+    expected = (400, "output 'Z' is not an output of model 'conf'; its outputs are 'Y'")
+    body = kind.body(rows(1.0))
+    body["outputs"] = [{"name": "Z"}]
+    assert http_answer(kind, body) == expected
+    assert kind.call(rows(1.0), outputs=["Z"]) == expected
+    assert kind.call(rows(1.0), outputs=["Y"]) == (200, "")
+
+
+def test_a_priority_out_of_range_gets_one_answer(kind: Kind):
+    # every kind has one level (the default): the decoupled runner took any priority as its
+    # last level, the ensemble answered with its step's refusal
+    expected = (400, "parameter 'priority': 2 is not a level of model 'conf' (1..1, 1 = highest)")
+    assert http_answer(kind, kind.body(rows(1.0), priority=2)) == expected
+    np.testing.assert_array_equal(y_of(kind.infer(rows(1.0), priority=1)), rows(1.0) * 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        (
+            [1, 3],
+            "input 'X': shape [1, 3] does not match the model's [-1, 4]: dimension 1 is 3, "
+            "expected 4",
+        ),
+        (
+            [1, 4, 1],
+            "input 'X': shape [1, 4, 1] has 3 dimensions but the model expects 2: [-1, 4] "
+            "(the first dimension is the batch, 1..8)",
+        ),
+        ([9, 4], "input 'X': shape [9, 4]: batch dimension 9 exceeds max_batch_size 8"),
+    ],
+    ids=["dims", "rank", "rows"],
+)
+def test_a_wrong_input_shape_gets_one_answer_on_every_entry(kind: Kind, shape, message):
+    x = np.ones(shape, dtype=np.float32)
+    assert http_answer(kind, kind.body(x)) == (400, message)
+    assert kind.call(x) == (400, message)
 
 
 # -- 5. drain on unload (last: it unloads and loads conf again) ------------------------------
