@@ -13,7 +13,8 @@ runner:
 * ``streaming``: a decoupled python model (``model_transaction_policy: {decoupled: true}``)
   whose ``generate`` yields exactly one response (StreamingRunner, unary ``/infer``);
 * ``ensemble``: an ensemble of one step over a dynamic-batching ``conf_step`` (EnsembleRunner;
-  the step enters the step model's runner).
+  the step enters the step model's runner). The step declares ``Y`` with dims ``[-1]``, so
+  what it returns is checked against the ensemble's own ``[4]`` by the ensemble.
 
 Requests enter over HTTP (``POST /v2/models/conf/infer``) and, for the cases of one answer on
 every path (section 8), also as a model's call to ``conf`` (business-logic scripting: the
@@ -157,7 +158,11 @@ def write_python(
 def write_repository(kind: str, root: Path, events: Path) -> None:
     """The kind's repository: ``conf`` computing ``Y = 2 X`` through the kind's runner."""
     if kind == "ensemble":
-        write_python(root, STEP, SCHEDULING["batching"], events)
+        # Y of any size: the ensemble's own output check, not the step's, sees a wrong one
+        step_common = COMMON.replace(
+            "{name: Y, datatype: FP32, shape: [4]}", "{name: Y, datatype: FP32, shape: [-1]}"
+        )
+        write_python(root, STEP, SCHEDULING["batching"], events, step_common)
         (root / MODEL).mkdir(parents=True)
         (root / MODEL / "1").mkdir()
         (root / MODEL / "config.yaml").write_text(ENSEMBLE_CONFIG)
@@ -177,8 +182,6 @@ class Kind:
     server: InProcessServer
     events: Path
     http: httpx.Client
-    #: The model whose instance runs the rows (the step model for the ensemble).
-    runs_on: str
 
     @property
     def url(self) -> str:
@@ -296,7 +299,7 @@ def kind(
     running = InProcessServer(base / "repo", model_control_mode="explicit", load_model=["*"])
     with httpx.Client(base_url=running.url, timeout=30.0) as http:
         try:
-            yield Kind(name, running, events, http, STEP if name == "ensemble" else MODEL)
+            yield Kind(name, running, events, http)
         finally:
             running.stop()
 
@@ -367,10 +370,11 @@ def test_the_models_admission_step_refuses_with_400_and_its_message(kind: Kind):
 
 
 def test_an_output_of_the_wrong_shape_is_500_naming_the_model_and_output(kind: Kind):
+    # the ensemble checks its own outputs as every runner does (its step declares Y [-1])
     answer = kind.infer(rows(-2.0))
     error = error_of(answer)
     assert answer.status_code == 500, (answer.status_code, answer.text)
-    assert f"'{kind.runs_on}'" in error and "'Y'" in error, error
+    assert error == "model 'conf' returned output 'Y' of shape [1, 3]; its config declares [-1, 4]"
     np.testing.assert_array_equal(y_of(kind.infer(rows(6.0))), rows(6.0) * 2)
 
 
