@@ -8,7 +8,7 @@ message, per mistake, whichever path the request came by and whichever runner se
   dimension.
 
 Every entry of :class:`~gpuserve.engine.runners.base.VersionRunner` (a client's request through
-the service, an ensemble step, a model's call) runs :func:`check_request` first, so a
+the service, an ensemble step, a model's call) runs its :class:`RequestChecks` first, so a
 decoupled model, a sequence model and an ensemble answer as a batching one does. The wire
 codecs (:mod:`gpuserve.protocol`) call the same functions while they decode, before they
 build the arrays (a shape is checked before the data it sizes is read); the runner's check of
@@ -138,6 +138,92 @@ def batch_of(shapes: Mapping[str, Sequence[int]]) -> int | None:
     return batch
 
 
+class RequestChecks:
+    """The checks every runner applies to a request on entry (module docstring), made once
+    per version from its config: its priority, its requested outputs and the shapes of the
+    inputs it carries (names, datatypes and missing inputs are the caller's to check: the
+    codecs', a model call's). A request that passes costs a few comparisons per input; the
+    first problem found is reported by the functions above (their messages).
+
+    Args:
+        config: The configuration of the version the requests run on.
+        model: The model's name, for messages.
+    """
+
+    __slots__ = ("_fixed", "_levels", "_max_batch_size", "_outputs", "config", "model")
+
+    def __init__(self, config: ModelConfig, model: str) -> None:
+        self.config = config
+        self.model = model
+        self._levels = config.dynamic_batching.priority_levels
+        self._outputs = frozenset(spec.name for spec in config.outputs)
+        self._max_batch_size = config.max_batch_size
+        batched = config.max_batch_size > 0
+        #: Input name -> (its spec, its rank, (index, size) of each dimension it fixes).
+        self._fixed: dict[str, tuple[TensorSpec, int, tuple[tuple[int, int], ...]]] = {
+            spec.name: (
+                spec,
+                len(spec.shape) + batched,
+                tuple(
+                    (index, want)
+                    for index, want in enumerate(spec.shape, start=batched)
+                    if want != -1
+                ),
+            )
+            for spec in config.inputs
+        }
+
+    def check(
+        self,
+        inputs: Mapping[str, Any],
+        requested_outputs: Sequence[str] | None,
+        priority: int,
+    ) -> None:
+        """Check one request.
+
+        Args:
+            inputs: Input name -> array (numpy or tensor: anything with ``shape``).
+            requested_outputs: The outputs asked for, or None for all.
+            priority: The request's priority (0: the default level, always one).
+
+        Raises:
+            InvalidInputError: the first problem found (400).
+        """
+        if priority > self._levels:
+            priority_level(self.config, self.model, priority)
+        if requested_outputs is not None:
+            outputs = self._outputs
+            for name in requested_outputs:
+                if name not in outputs:
+                    output_spec(self.config, self.model, name)
+        max_batch_size = self._max_batch_size
+        batch = -1
+        disagree = False
+        for name, array in inputs.items():
+            entry = self._fixed.get(name)
+            if entry is None:
+                continue
+            spec, rank, fixed = entry
+            shape = array.shape
+            wrong = len(shape) != rank
+            if not wrong:
+                for index, want in fixed:
+                    if shape[index] != want:
+                        wrong = True
+                        break
+            if not wrong and max_batch_size > 0:
+                rows = shape[0]
+                wrong = not 0 < rows <= max_batch_size
+                if batch < 0:
+                    batch = rows
+                elif rows != batch:
+                    disagree = True
+            if wrong:
+                check_input_shape(spec, name, tuple(shape), max_batch_size)
+        if disagree:  # after every input's own shape, as the codecs check them
+            batch_of({key: tuple(value.shape) for key, value in inputs.items()})
+
+
 def check_request(
     config: ModelConfig,
     model: str,
@@ -145,42 +231,16 @@ def check_request(
     requested_outputs: Sequence[str] | None,
     priority: int,
 ) -> None:
-    """The checks every runner applies to a request on entry (module docstring): its
-    priority, its requested outputs and the shapes of the inputs it carries (names,
-    datatypes and missing inputs are the caller's to check: the codecs', a model call's).
-
-    Args:
-        config: The configuration of the version the request runs on.
-        model: The model's name, for messages.
-        inputs: Input name -> array (numpy or tensor: anything with ``shape``).
-        requested_outputs: The outputs asked for, or None for all.
-        priority: The request's priority (0: the default level).
+    """:meth:`RequestChecks.check` of one request (a runner keeps its :class:`RequestChecks`).
 
     Raises:
         InvalidInputError: the first problem found (400).
     """
-    if priority:
-        priority_level(config, model, priority)
-    if requested_outputs is not None:
-        check_requested_outputs(config, model, requested_outputs)
-    if not inputs:
-        return
-    max_batch_size = config.max_batch_size
-    specs = config.inputs
-    for name, array in inputs.items():
-        shape = tuple(array.shape)
-        for spec in specs:
-            if spec.name == name:
-                if shape[max_batch_size > 0 :] != tuple(spec.shape) or (
-                    max_batch_size > 0 and not 0 < shape[0] <= max_batch_size
-                ):
-                    check_input_shape(spec, name, shape, max_batch_size)
-                break
-    if max_batch_size > 0 and len(inputs) > 1:
-        batch_of({name: tuple(array.shape) for name, array in inputs.items()})
+    RequestChecks(config, model).check(inputs, requested_outputs, priority)
 
 
 __all__ = [
+    "RequestChecks",
     "batch_of",
     "check_input_shape",
     "check_request",

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 from gpuserve.backends.base import AdmissionStep, Admitted, Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.admission import AdmissionPool, apply, input_bytes, run_checked
-from gpuserve.engine.checks import check_request
+from gpuserve.engine.checks import RequestChecks
 from gpuserve.engine.padding import PaddingSpec
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.stats import ModelStats, RequestStats
@@ -192,6 +192,7 @@ class VersionRunner(abc.ABC):
         self._inline_bytes = -1 if admission_pool is None else admission_pool.inline_bytes
         self._batched = config.max_batch_size > 0
         self._label = f"model '{self.name}' version {version}"
+        self._checks = RequestChecks(config, self.name)
         #: Whether variable-length inputs are padded into batches (then no tensor hand-off).
         self.pads = PaddingSpec.of(config) is not None
 
@@ -295,15 +296,9 @@ class VersionRunner(abc.ABC):
 
     def _check(self, request: InferenceRequest) -> None:
         """Refuse (counted) a request the version's config does not allow, with the message
-        every runner gives (:func:`~gpuserve.engine.checks.check_request`)."""
+        every runner gives (:class:`~gpuserve.engine.checks.RequestChecks`)."""
         try:
-            check_request(
-                self.config,
-                self.name,
-                request.inputs,
-                request.requested_outputs,
-                request.priority,
-            )
+            self._checks.check(request.inputs, request.requested_outputs, request.priority)
         except GpuserveError as err:
             self._refused(err)
             raise
