@@ -1,4 +1,4 @@
-"""KServe V2 tensor datatypes and their numpy equivalents.
+"""KServe V2 tensor datatypes, their numpy equivalents and Triton's model-configuration names.
 
 Datatype names are those of the Open Inference Protocol ("Tensor Data Types" in the KServe V2
 specification): BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64, BYTES. BF16 has no numpy
@@ -47,6 +47,27 @@ NUMPY_DTYPES: Final[dict[str, np.dtype]] = {
 }
 
 DATATYPES: Final[frozenset[str]] = frozenset(NUMPY_DTYPES)
+
+#: Triton's model-configuration ``DataType`` (``config.pbtxt``'s ``data_type``) -> V2 datatype.
+#: ``TYPE_STRING`` is BYTES; ``TYPE_BF16`` has no V2 equivalent here (no numpy dtype).
+TRITON_DATATYPES: Final[dict[str, str]] = {
+    "TYPE_BOOL": "BOOL",
+    "TYPE_UINT8": "UINT8",
+    "TYPE_UINT16": "UINT16",
+    "TYPE_UINT32": "UINT32",
+    "TYPE_UINT64": "UINT64",
+    "TYPE_INT8": "INT8",
+    "TYPE_INT16": "INT16",
+    "TYPE_INT32": "INT32",
+    "TYPE_INT64": "INT64",
+    "TYPE_FP16": "FP16",
+    "TYPE_FP32": "FP32",
+    "TYPE_FP64": "FP64",
+    "TYPE_STRING": "BYTES",
+}
+
+#: V2 datatype -> Triton's model-configuration ``DataType`` (BYTES is ``TYPE_STRING``).
+CONFIG_DATATYPES: Final[dict[str, str]] = {v2: triton for triton, v2 in TRITON_DATATYPES.items()}
 
 _BY_NUMPY: Final[dict[np.dtype, str]] = {
     dt.newbyteorder("="): name for name, dt in NUMPY_DTYPES.items() if name != "BYTES"

@@ -14,7 +14,14 @@ runner:
 * ``streaming``: a decoupled python model (``model_transaction_policy: {decoupled: true}``)
   whose ``generate`` yields exactly one response (StreamingRunner, unary ``/infer``);
 * ``ensemble``: an ensemble of one step over a dynamic-batching ``conf_step`` (EnsembleRunner;
-  the step enters the step model's runner).
+  the step enters the step model's runner). The step declares ``Y`` with dims ``[-1]``, so
+  what it returns is checked against the ensemble's own ``[4]`` by the ensemble.
+
+Requests enter over HTTP (``POST /v2/models/conf/infer``) and, for the cases of one answer on
+every path (section 8), also as a model's call to ``conf`` (business-logic scripting: the
+test's thread calls through an :class:`~gpuserve.engine.calls.InProcessCaller`, as a model's
+instance thread does): one mistake gets one status and one message, whichever the runner and
+whichever the entry.
 
 The model's markers (first element of a row, the second element a tag):
 
@@ -157,9 +164,11 @@ ensemble:
 """
 
 
-def write_python(root: Path, name: str, scheduling: str, events: Path) -> None:
+def write_python(
+    root: Path, name: str, scheduling: str, events: Path, common: str = COMMON
+) -> None:
     (root / name / "1").mkdir(parents=True)
-    (root / name / "config.yaml").write_text(COMMON + scheduling)
+    (root / name / "config.yaml").write_text(common + scheduling)
     code = MODEL_CODE.format(events=str(events), refusal=REFUSAL)
     (root / name / "1" / "model.py").write_text(textwrap.dedent(code).lstrip())
 
@@ -167,7 +176,11 @@ def write_python(root: Path, name: str, scheduling: str, events: Path) -> None:
 def write_repository(kind: str, root: Path, events: Path) -> None:
     """The kind's repository: ``conf`` computing ``Y = 2 X`` through the kind's runner."""
     if kind == "ensemble":
-        write_python(root, STEP, SCHEDULING["batching"], events)
+        # Y of any size: the ensemble's own output check, not the step's, sees a wrong one
+        step_common = COMMON.replace(
+            "{name: Y, datatype: FP32, shape: [4]}", "{name: Y, datatype: FP32, shape: [-1]}"
+        )
+        write_python(root, STEP, SCHEDULING["batching"], events, step_common)
         (root / MODEL).mkdir(parents=True)
         (root / MODEL / "1").mkdir()
         (root / MODEL / "config.yaml").write_text(ENSEMBLE_CONFIG)
@@ -187,8 +200,6 @@ class Kind:
     server: InProcessServer
     events: Path
     http: httpx.Client
-    #: The model whose instance runs the rows (the step model for the ensemble).
-    runs_on: str
 
     @property
     def url(self) -> str:
@@ -240,6 +251,22 @@ class Kind:
             }
         client.async_stream_infer(MODEL, [tensor], **sequence)
         return client
+
+    def call(self, x: np.ndarray, outputs: list[str] | None = None) -> tuple[int, str]:
+        """``conf`` called as a model calls it (:class:`InProcessCaller`, from this thread);
+        the HTTP status and message of its error, or ``(200, "")``."""
+        from gpuserve.engine.calls import InProcessCaller
+        from gpuserve.errors import GpuserveError
+        from gpuserve.server.status import http_status
+
+        loop = self.server.server._loop  # the server's event loop, where runners run
+        caller = InProcessCaller(self.server.manager, loop, "conformance_test")
+        parameters = self.body(x).get("parameters")  # a sequence of its own for the kind
+        try:
+            caller(MODEL, {"X": x}, outputs=outputs, parameters=parameters, timeout_s=30)
+        except GpuserveError as err:
+            return http_status(err), err.message
+        return 200, ""
 
     def stats(self) -> dict:
         answer = self.http.get(f"/v2/models/{MODEL}/stats")
@@ -299,7 +326,7 @@ def kind(
     running = InProcessServer(base / "repo", model_control_mode="explicit", load_model=["*"])
     with httpx.Client(base_url=running.url, timeout=30.0) as http:
         try:
-            yield Kind(name, running, events, http, STEP if name == "ensemble" else MODEL)
+            yield Kind(name, running, events, http)
         finally:
             running.stop()
 
@@ -370,10 +397,11 @@ def test_the_models_admission_step_refuses_with_400_and_its_message(kind: Kind):
 
 
 def test_an_output_of_the_wrong_shape_is_500_naming_the_model_and_output(kind: Kind):
+    # the ensemble checks its own outputs as every runner does (its step declares Y [-1])
     answer = kind.infer(rows(-2.0))
     error = error_of(answer)
     assert answer.status_code == 500, (answer.status_code, answer.text)
-    assert f"'{kind.runs_on}'" in error and "'Y'" in error, error
+    assert error == "model 'conf' returned output 'Y' of shape [1, 3]; its config declares [-1, 4]"
     np.testing.assert_array_equal(y_of(kind.infer(rows(6.0))), rows(6.0) * 2)
 
 
@@ -561,6 +589,54 @@ def test_metrics_count_the_requests_of_the_model(kind: Kind):
     assert kind.infer(rows(-1.0)).status_code == 400
     assert requests_total(kind.url, "success") == success_before + 3
     assert requests_total(kind.url, "failure", "invalid") == invalid_before + 1
+
+
+# -- 8. one mistake, one answer, on every path ------------------------------------------------
+
+
+def http_answer(kind: Kind, body: dict) -> tuple[int, str]:
+    answer = kind.http.post(f"/v2/models/{MODEL}/infer", json=body)
+    return answer.status_code, error_of(answer)
+
+
+def test_an_undeclared_output_requested_gets_one_answer_on_every_entry(kind: Kind):
+    expected = (400, "output 'Z' is not an output of model 'conf'; its outputs are 'Y'")
+    body = kind.body(rows(1.0))
+    body["outputs"] = [{"name": "Z"}]
+    assert http_answer(kind, body) == expected
+    assert kind.call(rows(1.0), outputs=["Z"]) == expected
+    assert kind.call(rows(1.0), outputs=["Y"]) == (200, "")
+
+
+def test_a_priority_out_of_range_gets_one_answer(kind: Kind):
+    # every kind has one level (the default): the decoupled runner took any priority as its
+    # last level, the ensemble answered with its step's refusal
+    expected = (400, "parameter 'priority': 2 is not a level of model 'conf' (1..1, 1 = highest)")
+    assert http_answer(kind, kind.body(rows(1.0), priority=2)) == expected
+    np.testing.assert_array_equal(y_of(kind.infer(rows(1.0), priority=1)), rows(1.0) * 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        (
+            [1, 3],
+            "input 'X': shape [1, 3] does not match the model's [-1, 4]: dimension 1 is 3, "
+            "expected 4",
+        ),
+        (
+            [1, 4, 1],
+            "input 'X': shape [1, 4, 1] has 3 dimensions but the model expects 2: [-1, 4] "
+            "(the first dimension is the batch, 1..8)",
+        ),
+        ([9, 4], "input 'X': shape [9, 4]: batch dimension 9 exceeds max_batch_size 8"),
+    ],
+    ids=["dims", "rank", "rows"],
+)
+def test_a_wrong_input_shape_gets_one_answer_on_every_entry(kind: Kind, shape, message):
+    x = np.ones(shape, dtype=np.float32)
+    assert http_answer(kind, kind.body(x)) == (400, message)
+    assert kind.call(x) == (400, message)
 
 
 # -- 5. drain on unload (last: it unloads and loads conf again) ------------------------------

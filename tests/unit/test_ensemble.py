@@ -14,6 +14,7 @@ import yaml
 
 from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.engine.calls import check_call_inputs
+from gpuserve.engine.checks import check_request
 from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun, step_problems
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.runners.ensemble import EnsembleRunner
@@ -366,8 +367,6 @@ def test_a_step_past_step_timeout_s_fails_the_request_and_drops_its_step():
         ({"X": np.zeros((2, 4), np.float32), "Z": np.zeros((2, 4))}, r"no input\(s\) \['Z'\]"),
         ({}, r"required input\(s\) \['X'\] not given"),
         ({"X": np.zeros((2, 4), np.int64)}, "dtype int64, expected FP32"),
-        ({"X": np.zeros(4, np.float32)}, r"shape \[4\], expected \[batch\] \+ \[4\]"),
-        ({"X": np.zeros((9, 4), np.float32)}, "9 rows exceed max_batch_size=8"),
         ({"X": [1.0, 2.0]}, "expected a numpy array, got list"),
     ],
 )
@@ -376,6 +375,30 @@ def test_a_calls_inputs_are_checked_against_the_callee(inputs, message):
     with pytest.raises(InvalidInputError, match=message):
         check_call_inputs(callee, inputs)
     check_call_inputs(callee, {"X": np.zeros((8, 4), np.float32)})  # fits
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        (
+            {"X": np.zeros(4, np.float32)},
+            "input 'X': shape [4] has 1 dimensions but the model expects 2: [-1, 4] "
+            "(the first dimension is the batch, 1..8)",
+        ),
+        (
+            {"X": np.zeros((9, 4), np.float32)},
+            "input 'X': shape [9, 4]: batch dimension 9 exceeds max_batch_size 8",
+        ),
+    ],
+)
+def test_a_calls_shapes_are_checked_as_a_clients(inputs, message):
+    # by the callee's runner on entry, as every request's (engine/checks.py)
+    callee = parse_model_config(yaml.safe_load(STEPS["f"]), PATH, "f")
+    check_call_inputs(callee, inputs)  # names and datatypes only
+    with pytest.raises(InvalidInputError) as refused:
+        check_request(callee, "f", inputs, None, 0)
+    assert refused.value.message == message
+    check_request(callee, "f", {"X": np.zeros((8, 4), np.float32)}, None, 0)  # fits
 
 
 def test_models_validate_reports_a_step_that_names_no_model(tmp_path):

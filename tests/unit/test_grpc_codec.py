@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from gpuserve.config import ModelConfig, TensorSpec
+from gpuserve.datatypes import CONFIG_DATATYPES
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError
 from gpuserve.protocol.grpc_codec import CONTENTS_FIELD, decode_infer_request, encode_infer_response
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import model_config_pb2 as mc
-from gpuserve.server.grpc.messages import CONFIG_DATATYPE, model_config
+from gpuserve.server.grpc.messages import model_config
 from gpuserve.service.views import ModelConfigView
 
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
@@ -155,7 +156,8 @@ def test_model_config_message():
     assert message.parameters["n"].string_value == "3"
     assert message.parameters["s"].string_value == "x"
     assert message.dynamic_batching.default_queue_policy.max_queue_size == 1024
-    assert set(CONFIG_DATATYPE) == set(DATATYPES)
+    assert set(CONFIG_DATATYPES) == set(DATATYPES)
+    assert all(mc.DataType.Value(name) for name in CONFIG_DATATYPES.values())
 
 
 def test_protos_are_wire_compatible_with_tritonclient():

@@ -1,12 +1,17 @@
 """Imports point one way (STYLE.md habit 1, DESIGN.md: cli -> server -> service -> engine ->
 backends): the engine never imports the server, the service, the metrics layer,
 prometheus_client, gRPC or the HTTP stack; backends never import the engine, the server, the
-service, the wire formats (protocol) or the built-in models (shared text helpers are in
-gpuserve.text); the inference service imports no front end and no wire format (server, protocol,
+service, the wire formats (protocol), the built-in models (shared text helpers are in
+gpuserve.text) or the repository layer (Triton's form of a configuration, which the Python
+backend hands its models, is in gpuserve.config, its datatype names in gpuserve.datatypes);
+the repository imports no wire format (its Triton reader builds plain configs; the gRPC front
+end makes the protobuf message); the text helpers, below the backends, import none (the
+admission step built on them answers in the backend contract's terms, so it is a backend
+module); the inference service imports no front end and no wire format (server, protocol,
 gRPC, protobuf, HTTP); one front end never imports another (``server.grpc`` nothing of
 ``server.http``), and no front end reaches the model manager but through the service. Checked
 statically (every import statement, including function-local ones and ``TYPE_CHECKING`` blocks)
-and at run time (what importing the engine pulls in)."""
+and at run time (what importing the engine pulls in)"""
 
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ FORBIDDEN = {
         "gpuserve.protocol",
         "gpuserve.service",
         "gpuserve.models",
+        "gpuserve.repository",
     ),
+    "repository": ("gpuserve.protocol",),
     "service": (
         "gpuserve.server",
         "gpuserve.cli",
@@ -49,6 +56,7 @@ FORBIDDEN = {
         "google.protobuf",
         "httptools",
     ),
+    "text": ("gpuserve.backends",),
     "server": ("gpuserve.repository.manager",),
     "server/grpc": ("gpuserve.server.http",),
     "server/http": ("gpuserve.server.grpc",),
@@ -124,6 +132,44 @@ def test_importing_the_engine_loads_no_server_or_metrics_module():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+#: Imports that once ran up the layers, each as the file that had it and the line: the
+#: check must find every one of them again if it comes back.
+UPWARD = [
+    ("text", "truncation.py", "from gpuserve.backends.base import Admitted\n"),
+    (
+        "backends",
+        "triton_python/auto_complete.py",
+        "from gpuserve.repository.triton_config import DATATYPES\n",
+    ),
+    (
+        "backends",
+        "triton_python/backend.py",
+        "from gpuserve.repository.triton_model_config import triton_model_config_dict\n",
+    ),
+    (
+        "repository",
+        "triton_model_config.py",
+        "from gpuserve.protocol.protos import model_config_pb2\n",
+    ),
+    (
+        "repository",
+        "triton_scheduling.py",
+        "from ..protocol.protos import model_config_pb2 as mc\n",
+    ),
+]
+
+
+@pytest.mark.parametrize(("layer", "file", "line"), UPWARD, ids=[u[1] for u in UPWARD])
+def test_the_check_finds_an_upward_import_put_back(tmp_path, monkeypatch, layer, file, line):
+    fake = tmp_path / "gpuserve"
+    target = fake / layer / file
+    target.parent.mkdir(parents=True)
+    target.write_text("from __future__ import annotations\n\n" + line)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    found = violations(layer)
+    assert found and all(entry.split(":")[1].split()[0] == "3" for entry in found), found
 
 
 def test_the_check_sees_a_front_end_importing_another(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 from gpuserve.backends.signature import ModelSignature, ModelTensor, complete_config
 from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.config.reshape import reshape_problem, transfer_shape
+from gpuserve.config.triton import triton_model_config_dict
 from gpuserve.engine.assembly import OutputSpec, split_outputs, stack_inputs
 from gpuserve.engine.batch import BatchResult
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
@@ -20,7 +21,8 @@ from gpuserve.engine.scheduling import SchedulerCore
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 from gpuserve.repository.pbtxt import parse_text
 from gpuserve.repository.triton_config import triton_config
-from gpuserve.repository.triton_model_config import triton_model_config, triton_model_config_dict
+from gpuserve.server.grpc.messages import model_config
+from gpuserve.service.views import ModelConfigView
 
 YAML = Path("/repo/m/config.yaml")
 PBTXT = Path("/repo/m/config.pbtxt")
@@ -163,7 +165,7 @@ def test_pbtxt_reshape_maps_and_shows_in_tritons_model_config():
     assert view["input"][0]["reshape"] == {"shape": [2, 2]}
     assert view["input"][1]["reshape"] == {"shape": []}
     assert view["output"][0]["reshape"] == {"shape": [-1, 2, 3]}
-    message = triton_model_config("m", "python", cfg)
+    message = model_config(ModelConfigView("m", "python", cfg))
     assert list(message.input[0].reshape.shape) == [2, 2]
     assert message.input[1].HasField("reshape") and not message.input[1].reshape.shape
     plain = from_pbtxt(PBTXT_MODEL.replace("reshape: { shape: [ 2, 2 ] }", ""))

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
+from gpuserve.backends.text_admission import admit_texts
 from gpuserve.errors import InvalidInputError
 from gpuserve.models.sentence_embedding import default_model_dir, load_tokenizer
 from gpuserve.text.truncation import (
     PrefixTruncator,
-    admit_texts,
     bounded_texts,
     decode_prefix,
     whitespace_cut,

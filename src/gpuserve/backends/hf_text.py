@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from gpuserve.backends.base import Admitted, Token
+from gpuserve.backends.text_admission import admit_texts
 from gpuserve.errors import InvalidInputError
-from gpuserve.text.truncation import PrefixTruncator, admit_texts
+from gpuserve.text.truncation import PrefixTruncator
 
 
 def pair_lengths(
@@ -58,7 +59,7 @@ def admit_pairs(
     ``pair_name`` is admitted as single texts.
 
     Raises:
-        InvalidInputError: as :func:`~gpuserve.text.truncation.admit_texts`; the two inputs
+        InvalidInputError: as :func:`~gpuserve.backends.text_admission.admit_texts`; the two inputs
             with different row counts; with ``strict``, a pair longer than ``max_length``.
     """
     first = admit_texts(truncator, inputs, name)

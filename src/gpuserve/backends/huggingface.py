@@ -81,15 +81,11 @@ from gpuserve.backends.hf_folder import (
 )
 from gpuserve.backends.hf_packed import PackedEncoder, PackedRows, unsupported
 from gpuserve.backends.optional import library_lock, require
+from gpuserve.backends.text_admission import admit_texts
 from gpuserve.config import ModelConfig
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
 from gpuserve.text.decode import decode_texts
-from gpuserve.text.truncation import (
-    PrefixTruncator,
-    admit_texts,
-    bounded_texts,
-    length_problem,
-)
+from gpuserve.text.truncation import PrefixTruncator, bounded_texts, length_problem
 
 logger = logging.getLogger(__name__)
 

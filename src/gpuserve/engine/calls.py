@@ -21,8 +21,9 @@ other traffic) and waits for its answer, never forever:
   has passed (:mod:`~gpuserve.backends.call_scope`): a timed-out hop of a cycle does not
   leave the next hop running, calling on, after its caller has given up.
 
-Inputs are checked against the callee's configuration before queuing (names, datatypes, batch
-dimension), as the protocol layer checks a client's.
+Inputs are checked against the callee's configuration before queuing (names, datatypes), as the
+protocol layer checks a client's; shapes, requested outputs and the rest by the callee's runner,
+as for every request (:mod:`gpuserve.engine.checks`: a call gets a client's answer).
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ DEFAULT_TIMEOUT_S = 30.0
 def check_call_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> None:
     """Check a call's inputs against the callee's declared inputs.
 
+    The shapes are the runner's to check, as for every request
+    (:func:`gpuserve.engine.checks.check_request`: one message whatever the caller).
+
     Raises:
-        InvalidInputError: an unknown input, a required one missing, another datatype, or a
-            wrong rank / batch dimension; the message names the input and what is expected.
+        InvalidInputError: an unknown input, a required one missing, not a numpy array or
+            another datatype; the message names the input and what is expected.
     """
     name = config.name
     declared = {t.name: t for t in config.inputs}
@@ -64,8 +68,6 @@ def check_call_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> 
     missing = [n for n, t in declared.items() if not t.optional and n not in inputs]
     if missing:
         raise InvalidInputError(f"model '{name}': required input(s) {missing} not given")
-    rows: int | None = None
-    batched = config.max_batch_size > 0
     for key, array in inputs.items():
         spec = declared[key]
         if not isinstance(array, np.ndarray):
@@ -78,22 +80,6 @@ def check_call_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> 
                 f"model '{name}' input '{key}': dtype {array.dtype}, expected {spec.datatype} "
                 f"({expected})"
             )
-        rank = len(spec.shape) + (1 if batched else 0)
-        if array.ndim != rank:
-            raise InvalidInputError(
-                f"model '{name}' input '{key}': shape {list(array.shape)}, expected "
-                f"{'[batch] + ' if batched else ''}{spec.shape}"
-            )
-        if batched:
-            if rows is not None and array.shape[0] != rows:
-                raise InvalidInputError(
-                    f"model '{name}' input '{key}': {array.shape[0]} rows, other inputs {rows}"
-                )
-            rows = array.shape[0]
-    if batched and rows is not None and rows > config.max_batch_size:
-        raise InvalidInputError(
-            f"model '{name}': {rows} rows exceed max_batch_size={config.max_batch_size}"
-        )
 
 
 class InProcessCaller:
@@ -165,15 +151,9 @@ class InProcessCaller:
             await self.router.ensure_loaded(name)
         runner = self.router.runner(name, request.model_version)
         check_call_inputs(runner.config, request.inputs)
-        if request.requested_outputs is not None:
-            known = [t.name for t in runner.config.outputs]
-            unknown = [o for o in request.requested_outputs if o not in known]
-            if unknown:
-                raise InvalidInputError(
-                    f"model '{name}' has no output(s) {unknown} (outputs: {known})"
-                )
-        # the callee's runner, as a client's request: its admission step (token counts,
-        # the UTF-8 check, truncation), its queue, its output checks
+        # the callee's runner, as a client's request: the checks every path gets (requested
+        # outputs, shapes: engine/checks.py), its admission step (token counts, the UTF-8
+        # check, truncation), its queue, its output checks
         return await runner.infer(request)
 
     def timeout_error(self, model: str, timeout_s: float) -> RequestTimeoutError:

@@ -51,6 +51,7 @@ from gpuserve.engine.adaptive import AdaptiveBatching
 from gpuserve.engine.assembly import request_rows, shape_key
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.batcher import Batcher, DynamicBatcher
+from gpuserve.engine.checks import priority_level
 from gpuserve.engine.correlation import add_correlation_input, wants_correlation_ids
 from gpuserve.engine.inflight import InFlight, InFlightTable, W, Worker
 from gpuserve.engine.lengths import default_batch_tokens
@@ -148,8 +149,6 @@ class SchedulerCore(Generic[W]):
         self._batched = config.max_batch_size > 0
         #: Tensors whose reshape differs from their shape (None: none do).
         self.reshape = ReshapeSpec.of(config)
-        self._priority_levels = db.priority_levels
-        self._default_priority = db.default_priority_level
         self._default_timeout_us = db.default_timeout_us
         self._retry: deque[Batch] = deque()
         self._in_flight: InFlightTable[W] = InFlightTable(self.execution_timeout_s)
@@ -199,14 +198,10 @@ class SchedulerCore(Generic[W]):
             raise self._outcomes.refused(
                 UnavailableError(f"model '{self.name}' version {self.version} is unloading")
             )
-        priority = request.priority or self._default_priority
-        if priority > self._priority_levels:
-            raise self._outcomes.refused(
-                InvalidInputError(
-                    f"parameter 'priority': {priority} is not a level of model '{self.name}' "
-                    f"(1..{self._priority_levels}, 1 = highest)"
-                )
-            )
+        try:  # the runner's entry checked it (engine/checks.py); the core is used alone too
+            priority = priority_level(self.config, self.name, request.priority)
+        except InvalidInputError as err:
+            raise self._outcomes.refused(err) from None
         timeout_us = request.timeout_us or self._default_timeout_us
         if self.reshape is not None:  # the model's shapes from here on (engine/reshape.py)
             try:

@@ -43,6 +43,7 @@ import yaml
 
 from gpuserve.backends.base import Admitted, LoadContext
 from gpuserve.backends.python import PythonModel
+from gpuserve.backends.text_admission import admit_texts
 from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.errors import BackendError, ConfigError
 from gpuserve.models.bert_onnx import GRAPH_INPUTS, GRAPH_OUTPUT, export_graph
@@ -52,7 +53,7 @@ from gpuserve.models.sentence_embedding import (
     load_tokenizer,
 )
 from gpuserve.text.decode import decode_texts
-from gpuserve.text.truncation import PrefixTruncator, admit_texts, bounded_texts
+from gpuserve.text.truncation import PrefixTruncator, bounded_texts
 
 logger = logging.getLogger(__name__)
 

@@ -108,7 +108,7 @@ class OnnxTextPairs(PythonModel):
     def admit(self, inputs: dict[str, np.ndarray]) -> Admitted:
         """Admission step: tokens per row (pairs counted as pairs), long texts cut before
         tokenisation (:mod:`gpuserve.backends.hf_text`)."""
-        from gpuserve.text.truncation import admit_texts
+        from gpuserve.backends.text_admission import admit_texts
 
         if self._admit is not None:
             return self._admit(inputs)

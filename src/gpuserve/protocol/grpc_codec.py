@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpuserve.datatypes import NUMPY_DTYPES
+from gpuserve.engine.checks import output_spec
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import InvalidInputError
 from gpuserve.protocol.extension_params import SHM_KEYS, SharedMemoryReader, shm_ref
@@ -198,12 +199,7 @@ def _decode_outputs(
     names: list[str] = []
     for item in outputs:
         name = item.name
-        spec = find_spec(config.outputs, name)
-        if spec is None:
-            raise InvalidInputError(
-                f"output {name!r} is not an output of model {model_name!r}; its outputs "
-                f"are {spec_names(config.outputs)}"
-            )
+        spec = output_spec(config, model_name, name)
         if name in names:
             raise InvalidInputError(f"output '{name}' already exists in request")
         if item.parameters:

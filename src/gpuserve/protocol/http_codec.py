@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from gpuserve.engine.checks import output_spec
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import InvalidInputError
 from gpuserve.protocol.binary import bytes_as_text
@@ -157,12 +158,7 @@ def _decode_outputs(
             raise InvalidInputError(
                 f"outputs[{index}]: 'name' must be a string, got {described(name)}"
             )
-        spec = find_spec(config.outputs, name)
-        if spec is None:
-            raise InvalidInputError(
-                f"output {name!r} is not an output of model {model_name!r}; its outputs "
-                f"are {spec_names(config.outputs)}"
-            )
+        spec = output_spec(config, model_name, name)
         if name in names:
             raise InvalidInputError(f"output '{name}' already exists in request")
         names.append(name)

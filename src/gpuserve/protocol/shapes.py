@@ -1,8 +1,10 @@
 """Checks of a client's datatype and shape against a model's declared input.
 
-Shared by the HTTP and gRPC codecs. Element counts are Python integers, so they cannot
-overflow. Policy: when the model batches, a batch dimension of 0 is refused; any other
-dimension declared ``-1`` may be 0 (an empty tensor such as ``[1, 0]``).
+Shared by the HTTP and gRPC codecs. A well-formed shape is compared with the declared one by
+:func:`gpuserve.engine.checks.check_input_shape`, which every runner also applies to every
+request it takes (one message for one mistake, whatever the path). Element counts are Python
+integers, so they cannot overflow. Policy: when the model batches, a batch dimension of 0 is
+refused; any other dimension declared ``-1`` may be 0 (an empty tensor such as ``[1, 0]``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gpuserve.datatypes import DATATYPES, NUMPY_DTYPES
+from gpuserve.engine.checks import batch_of, check_input_shape
 from gpuserve.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -80,20 +83,6 @@ def format_shape(shape: Sequence[Any]) -> str:
         The bracketed, comma-separated dimensions.
     """
     return "[" + ", ".join(show(d, 30) for d in shape) + "]"
-
-
-def declared_shape(spec: TensorSpec, max_batch_size: int) -> str:
-    """The full shape a request must send, with ``-1`` for free dimensions.
-
-    Args:
-        spec: The declared input (shape without the batch dimension).
-        max_batch_size: The model's; when > 0 a leading ``-1`` stands for the batch.
-
-    Returns:
-        The shape as :func:`format_shape` writes it, e.g. ``[-1, 128]``.
-    """
-    dims = [-1, *spec.shape] if max_batch_size > 0 else list(spec.shape)
-    return format_shape(dims)
 
 
 def element_count(shape: Sequence[int]) -> int:
@@ -186,34 +175,7 @@ def check_shape(spec: TensorSpec, name: str, shape: Any, max_batch_size: int) ->
             raise InvalidInputError(
                 f"input {name!r}: shape {format_shape(shape)} has a dimension above 2^63-1"
             )
-    dims = spec.shape
-    batched = max_batch_size > 0
-    if len(shape) != len(dims) + batched:
-        batch_note = f" (the first dimension is the batch, 1..{max_batch_size})" if batched else ""
-        raise InvalidInputError(
-            f"input {name!r}: shape {format_shape(shape)} has {len(shape)} dimensions but "
-            f"the model expects {len(dims) + batched}: "
-            f"{declared_shape(spec, max_batch_size)}{batch_note}"
-        )
-    if batched:
-        batch = shape[0]
-        if batch == 0:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)}: batch dimension 0 is not "
-                f"allowed (must be 1..max_batch_size, here 1..{max_batch_size})"
-            )
-        if batch > max_batch_size:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)}: batch dimension {batch} "
-                f"exceeds max_batch_size {max_batch_size}"
-            )
-    for index, want in enumerate(dims, start=batched):
-        if want != -1 and shape[index] != want:
-            raise InvalidInputError(
-                f"input {name!r}: shape {format_shape(shape)} does not match the model's "
-                f"{declared_shape(spec, max_batch_size)}: dimension {index} is "
-                f"{shape[index]}, expected {want}"
-            )
+    check_input_shape(spec, name, shape, max_batch_size)
     return tuple(shape)
 
 
@@ -272,14 +234,4 @@ def validate_request_shapes(shapes: Mapping[str, Sequence[int]], config: ModelCo
             raise missing_inputs_error(list(shapes), config)
     if config.max_batch_size <= 0:
         return None
-    batch = None
-    for shape in shapes.values():
-        if batch is None:
-            batch = shape[0]
-        elif shape[0] != batch:
-            listing = ", ".join(f"{name!r} has {dims[0]}" for name, dims in shapes.items())
-            raise InvalidInputError(
-                f"inputs disagree on the batch dimension ({listing}); every input of one "
-                f"request must have the same batch size"
-            )
-    return batch
+    return batch_of(shapes)

@@ -28,6 +28,7 @@ from typing import Any
 
 from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.config.reshape import reshape_problem
+from gpuserve.datatypes import TRITON_DATATYPES
 from gpuserve.errors import ConfigError
 from gpuserve.repository.pbtxt import Message, Value, read_pbtxt
 from gpuserve.repository.triton_ensemble import ensemble_section
@@ -50,22 +51,6 @@ PLATFORMS = {
 #: The model file of each backend in a version folder (Triton's default names).
 MODEL_FILENAMES = {"onnx": "model.onnx", "torch": "model.pt", "python": "model.py"}
 
-#: Triton ``DataType`` -> V2 datatype.
-DATATYPES = {
-    "TYPE_BOOL": "BOOL",
-    "TYPE_UINT8": "UINT8",
-    "TYPE_UINT16": "UINT16",
-    "TYPE_UINT32": "UINT32",
-    "TYPE_UINT64": "UINT64",
-    "TYPE_INT8": "INT8",
-    "TYPE_INT16": "INT16",
-    "TYPE_INT32": "INT32",
-    "TYPE_INT64": "INT64",
-    "TYPE_FP16": "FP16",
-    "TYPE_FP32": "FP32",
-    "TYPE_FP64": "FP64",
-    "TYPE_STRING": "BYTES",
-}
 _KINDS = {"KIND_AUTO": "auto", "KIND_GPU": "gpu", "KIND_CPU": "cpu"}
 
 _LATER = "not supported by gpuserve yet"
@@ -260,13 +245,14 @@ class _Mapper:
 
     def datatype(self, msg: Message, where: str) -> str:
         value = self.text(msg, "data_type", where)
-        if value not in DATATYPES:
+        if value not in TRITON_DATATYPES:
             raise self.fail(
                 f"{where}data_type",
-                f"expected one of {', '.join(DATATYPES)} (TYPE_BF16 has no numpy equivalent)",
+                f"expected one of {', '.join(TRITON_DATATYPES)} "
+                "(TYPE_BF16 has no numpy equivalent)",
                 value,
             )
-        return DATATYPES[value]
+        return TRITON_DATATYPES[value]
 
     def tensor(self, msg: Value, where: str, output: bool = False) -> dict[str, Any]:
         if not isinstance(msg, dict):

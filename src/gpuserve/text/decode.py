@@ -19,7 +19,7 @@ def decode_texts(values: np.ndarray) -> list[str]:
         B strings. Invalid UTF-8 is decoded with ``errors="replace"`` (each bad byte becomes
         U+FFFD, which the BERT tokenizer drops) rather than failing the whole batch. Served
         requests never bring any here: the admission step refuses them, one request at a
-        time (:func:`~gpuserve.text.truncation.admit_texts`); this covers calls that
+        time (:func:`~gpuserve.backends.text_admission.admit_texts`); this covers calls that
         skip admission, such as another model's.
 
     Raises:

@@ -18,9 +18,9 @@ from typing import Any
 from gpuserve.backends.completion import validate_completed
 from gpuserve.backends.triton_python.model_config import ModelConfig as TritonModelConfig
 from gpuserve.config import ModelConfig
+from gpuserve.config.triton import triton_model_config_dict
+from gpuserve.datatypes import TRITON_DATATYPES
 from gpuserve.errors import ConfigError
-from gpuserve.repository.triton_config import DATATYPES
-from gpuserve.repository.triton_model_config import triton_model_config_dict
 
 HOOK = "auto_complete_config"
 
@@ -48,10 +48,10 @@ def _tensor(entry: Any, kind: str, index: int, where: Path, keep: dict[str, Any]
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: {HOOK} left {at} as {entry!r}; expected a mapping")
     data_type = entry.get("data_type")
-    if data_type not in DATATYPES:
+    if data_type not in TRITON_DATATYPES:
         raise ConfigError(
             f"{where}: {HOOK} gave {at} ({entry.get('name')!r}) data_type {data_type!r}; "
-            f"expected one of {', '.join(DATATYPES)}"
+            f"expected one of {', '.join(TRITON_DATATYPES)}"
         )
     dims = entry.get("dims")
     if not isinstance(dims, list) or not all(isinstance(d, int) for d in dims):
@@ -60,7 +60,7 @@ def _tensor(entry: Any, kind: str, index: int, where: Path, keep: dict[str, Any]
             "list of integers"
         )
     spec = dict(keep.get(entry.get("name", ""), {}))  # reshape, format, ... stay as declared
-    spec.update(name=entry.get("name", ""), datatype=DATATYPES[data_type], shape=dims)
+    spec.update(name=entry.get("name", ""), datatype=TRITON_DATATYPES[data_type], shape=dims)
     if kind == "input" and "optional" in entry:
         spec["optional"] = bool(entry["optional"])
     return spec

@@ -60,9 +60,9 @@ from gpuserve.backends.triton_python.auto_complete import auto_complete as auto_
 from gpuserve.backends.triton_python.auto_complete import hook_of
 from gpuserve.config import ModelConfig
 from gpuserve.config.reshape import uses_reshape
+from gpuserve.config.triton import triton_model_config_dict
 from gpuserve.datatypes import numpy_dtype
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
-from gpuserve.repository.triton_model_config import triton_model_config_dict
 
 #: The name Triton models import the utilities under.
 UTILS_MODULE = "triton_python_backend_utils"

@@ -13,12 +13,14 @@ version's configuration and its backend's :class:`~gpuserve.backends.base.Capabi
 
 Whoever calls (an HTTP or gRPC handler through the service, an ensemble step, a BLS call from a
 model) enters the same way, :meth:`VersionRunner.submit` / :meth:`~VersionRunner.infer` /
-:meth:`~VersionRunner.stream`, with a request already decoded against the version's config.
-Each entry first runs the model's admission step when it declares one (token counts, the UTF-8
-check, truncation: :mod:`gpuserve.engine.admission`), then hands the request to the runner's
-own queue. ``submit`` gives one response (a decoupled model's only one, or a 400 when it sent
-none or several); ``stream`` gives every response, the last one ``final`` (a non-decoupled
-model's stream has its one response).
+:meth:`~VersionRunner.stream`, with a request already decoded against the version's config. Each
+entry first checks the request against the config (its priority, requested outputs and input
+shapes: :mod:`gpuserve.engine.checks`, so every runner and every caller gets one answer for one
+mistake), then runs the model's admission step when it declares one (token counts, the UTF-8
+check, truncation: :mod:`gpuserve.engine.admission`), then hands the request to the runner's own
+queue. ``submit`` gives one response (a decoupled model's only one, or a 400 when it sent none
+or several); ``stream`` gives every response, the last one ``final`` (a non-decoupled model's
+stream has its one response).
 
 Runners run on the server's event loop; nothing here blocks.
 """
@@ -36,6 +38,7 @@ from typing import Any, ClassVar
 from gpuserve.backends.base import AdmissionStep, Admitted, Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.admission import AdmissionPool, apply, input_bytes, run_checked
+from gpuserve.engine.checks import RequestChecks
 from gpuserve.engine.padding import PaddingSpec
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.stats import ModelStats, RequestStats
@@ -189,6 +192,7 @@ class VersionRunner(abc.ABC):
         self._inline_bytes = -1 if admission_pool is None else admission_pool.inline_bytes
         self._batched = config.max_batch_size > 0
         self._label = f"model '{self.name}' version {version}"
+        self._checks = RequestChecks(config, self.name)
         #: Whether variable-length inputs are padded into batches (then no tensor hand-off).
         self.pads = PaddingSpec.of(config) is not None
 
@@ -199,9 +203,11 @@ class VersionRunner(abc.ABC):
         with its one response or fails with why (queue timeout, the model's error, unloaded).
 
         Raises:
-            GpuserveError: refused before queueing (queue full: 429; unloading: 503; the
-                admission step's refusal or its pool full). Counted on the version.
+            GpuserveError: refused before queueing (a request the config does not allow: 400;
+                queue full: 429; unloading: 503; the admission step's refusal or its pool
+                full). Counted on the version.
         """
+        self._check(request)
         step = self._step
         if step is not None and not self._step_here(step, request):
             return self._after_step(step, request)
@@ -214,6 +220,7 @@ class VersionRunner(abc.ABC):
         Raises:
             GpuserveError: as :meth:`submit`, and what its future fails with.
         """
+        self._check(request)
         step = self._step
         if step is not None and not self._step_here(step, request):
             await self._run_step(step, request)
@@ -226,6 +233,7 @@ class VersionRunner(abc.ABC):
         Raises:
             GpuserveError: refused at once (as :meth:`submit`).
         """
+        self._check(request)
         step = self._step
         if step is not None and not self._step_here(step, request):
             return SteppedStream(self._run_step(step, request), lambda: self._open(request))
@@ -290,6 +298,17 @@ class VersionRunner(abc.ABC):
     def _open(self, request: InferenceRequest) -> ResponseStream:
         """The stream of a request whose admission step (if any) ran."""
         return SingleResponseStream(self._queue(request))
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _check(self, request: InferenceRequest) -> None:
+        """Refuse (counted) a request the version's config does not allow, with the message
+        every runner gives (:class:`~gpuserve.engine.checks.RequestChecks`)."""
+        try:
+            self._checks.check(request.inputs, request.requested_outputs, request.priority)
+        except GpuserveError as err:
+            self._refused(err)
+            raise
 
     # -- admission steps -------------------------------------------------------------------
 

@@ -12,13 +12,16 @@ and take tensors, they stay ``torch.Tensor`` on that device
 (:mod:`gpuserve.engine.ensemble.handoff`).
 
 The decisions are :class:`~gpuserve.engine.ensemble.plan.EnsembleRun`'s (which steps may start);
-this module only waits, on the event loop, with no task per request: every step future
-resolves through a done callback that starts the steps it unblocks. A step that fails (or
-times out after ``ensemble.step_timeout_s``) fails that request only, with the step's error
-class and a message naming the step; the other steps of the request still queued are dropped
-before they run. Step models are found through a :class:`StepRouter` (the model manager), per
-request, so a step model that is swapped to a new version is followed, and one that loads on
-demand is loaded at the first request that needs it.
+this module only waits, on the event loop, with no task per request: every step future resolves
+through a done callback that starts the steps it unblocks. A step that fails (or times out after
+``ensemble.step_timeout_s``) fails that request only, with the step's error class and a message
+naming the step; the other steps of the request still queued are dropped before they run. What
+the steps produced for the ensemble's own outputs is checked against the ensemble's
+configuration as every runner checks its model's outputs
+(:func:`~gpuserve.engine.assembly.check_outputs`: shape, rows, datatype; 500 naming the
+ensemble), not only at load. Step models are found through a :class:`StepRouter` (the model
+manager), per request, so a step model that is swapped to a new version is followed, and one
+that loads on demand is loaded at the first request that needs it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any, Protocol
 from gpuserve.backends import tensors as _tensors
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
-from gpuserve.engine.assembly import HandoffRequest, request_rows
+from gpuserve.engine.assembly import HandoffRequest, OutputSpec, check_outputs, request_rows
 from gpuserve.engine.ensemble.handoff import HandoffDecision, host_inputs
 from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun
 from gpuserve.engine.ensemble.stats import EnsembleStats, StepStats
@@ -145,6 +148,7 @@ class EnsembleRunner(VersionRunner):
         assert config.ensemble is not None
         self.plan = EnsemblePlan.of(config)
         self.router = router
+        self._outputs = OutputSpec.of(config)
         stats = EnsembleStats(self.name, version)
         stats.steps = [StepStats(s.index, s.model) for s in self.plan.steps]
         self.stats = stats
@@ -351,13 +355,21 @@ class EnsembleRunner(VersionRunner):
     def _finish(self, run: _Run) -> None:
         request = run.request
         try:
-            outputs = run.state.outputs(request.requested_outputs)
-        except KeyError as err:  # the service checked the names against the config
+            outputs = run.state.outputs(None)  # every step ran: every declared output
+        except KeyError as err:
             self._fail(run, None, BackendError(f"ensemble output {err} was not produced"))
             return
         for name, value in outputs.items():  # never kept as tensors; a guard for clients
             if _tensors.is_tensor(value):
                 outputs[name] = _tensors.to_host(value)
+        try:  # against the ensemble's own config, as every runner checks its model's outputs
+            check_outputs(self._outputs, outputs, run.rows)
+        except GpuserveError as err:
+            self._fail(run, None, err)
+            return
+        wanted = request.requested_outputs  # checked against the config on entry
+        if wanted is not None:
+            outputs = {name: outputs[name] for name in wanted}
         total_s = self.clock() - run.started
         response = InferenceResponse(
             model_name=self.name,

@@ -68,7 +68,6 @@ class StreamBatcher(Generic[J]):
     def __init__(self, config: ModelConfig) -> None:
         db = config.dynamic_batching
         self._batcher = DynamicBatcher.for_config(config)
-        self._levels = db.priority_levels
         self._default_level = db.default_priority_level
         self._jobs: dict[Pending, J] = {}  # Pending hashes by identity
         self._pending: dict[int, Pending] = {}  # id(job) -> its queue entry
@@ -97,7 +96,7 @@ class StreamBatcher(Generic[J]):
             _ONE_SHAPE,
             now,
             deadline_s=deadline_s,
-            priority=min(max(level, 1), self._levels),
+            priority=level,  # a level of the model: the runner's entry checked it
         )
         self._batcher.add(item)
         self._jobs[item] = job

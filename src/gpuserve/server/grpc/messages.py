@@ -2,21 +2,22 @@
 
 The HTTP front end encodes the same views (:mod:`gpuserve.service.views`) as JSON, so both
 carry the same content. The model configuration is returned as Triton's
-``inference.ModelConfig`` (:mod:`gpuserve.repository.triton_model_config`, shared with HTTP).
+``inference.ModelConfig``: the mapping HTTP answers as JSON (:mod:`gpuserve.config.triton`),
+parsed into the message.
 """
 
 from __future__ import annotations
 
+from google.protobuf import json_format
+
+from gpuserve.config.triton import triton_model_config_dict
 from gpuserve.engine.stats import Duration, ModelStats
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
 from gpuserve.protocol.protos import model_config_pb2 as mc
-from gpuserve.repository.triton_model_config import CONFIG_DATATYPE, triton_model_config
 from gpuserve.server.security import Redactor
 from gpuserve.service.views import IndexRow, ModelConfigView, ModelMetadata, ServerMetadata
 
-#: Re-exported: the datatype table lives with the shared ModelConfig mapping.
 __all__ = [
-    "CONFIG_DATATYPE",
     "model_config",
     "model_metadata",
     "model_statistics",
@@ -46,8 +47,9 @@ def model_metadata(view: ModelMetadata) -> pb.ModelMetadataResponse:
 
 def model_config(view: ModelConfigView) -> mc.ModelConfig:
     """Triton's ``ModelConfig`` message for the configuration a model is served with (the
-    mapping HTTP's ``GET /v2/models/{m}/config`` answers as JSON too)."""
-    return triton_model_config(view.name, view.platform, view.config)
+    mapping HTTP's ``GET /v2/models/{m}/config`` answers as JSON, parsed into it)."""
+    data = triton_model_config_dict(view.name, view.platform, view.config)
+    return json_format.ParseDict(data, mc.ModelConfig())
 
 
 def _duration(value: Duration) -> pb.StatisticDuration:

@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
+from gpuserve.config.triton import triton_model_config_dict
 from gpuserve.engine.stats import ModelStats
-from gpuserve.repository.triton_model_config import triton_model_config_dict
 from gpuserve.service.views import ModelConfigView, ReadyView
 
 

@@ -19,11 +19,11 @@ import torch
 
 from gpuserve.backends.base import Admitted, LoadContext
 from gpuserve.backends.python import PythonModel
+from gpuserve.backends.text_admission import admit_texts
 from gpuserve.config import ModelConfig
 from gpuserve.models.sentence_embedding import SentenceEmbedder, TokenizedBatch, decode_texts
 from gpuserve.models.text_embedding import load_embedder
 from gpuserve.models.text_embedding_onnx import PythonExport, export_text_embedding
-from gpuserve.text.truncation import admit_texts
 
 
 class Model(PythonModel):
