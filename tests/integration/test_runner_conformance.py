@@ -205,6 +205,11 @@ class Kind:
     def url(self) -> str:
         return self.server.url
 
+    @property
+    def runs_on(self) -> str:
+        """The model whose instance runs the rows (the step model for the ensemble)."""
+        return STEP if self.name == "ensemble" else MODEL
+
     def body(self, x: np.ndarray, **parameters: Any) -> dict:
         """The V2 request of rows ``x``; for the sequence kind a sequence of its own (a
         sequence-batching model refuses a request without ``sequence_id``)."""
