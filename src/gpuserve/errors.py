@@ -29,6 +29,25 @@ class InvalidInputError(GpuserveError):
     reason = "invalid"
 
 
+class TooManyInputsError(InvalidInputError):
+    """One call carries more inputs (texts, documents, token-id rows) than the server's
+    ``max_inputs_per_call`` or the model's own cap allows (HTTP 413 on every API); nothing
+    of it was computed.
+
+    Attributes:
+        param: The request field that carried them (``input``, ``inputs``, ``texts``,
+            ``documents``, ...).
+        count: How many it carried.
+        limit: The most one call may carry.
+    """
+
+    def __init__(self, message: str, param: str, count: int, limit: int) -> None:
+        super().__init__(message)
+        self.param = param
+        self.count = count
+        self.limit = limit
+
+
 class ModelNotFoundError(GpuserveError):
     """The named model, or the named version of it, is not in the repository (HTTP 404)."""
 

@@ -5,8 +5,9 @@ folder outside this repository; point ``GPUSERVE_TRITON_EXAMPLES`` at it (skippe
 The server serves :mod:`tests.fixtures.triton_examples` (``simple``, ``simple_string``,
 ``simple_identity``, ``simple_int8``, ``custom_identity_int32``, ``densenet_onnx``) in explicit
 mode with every model loaded and with client shared memory allowed. Each example runs as its
-own process, with ``-u`` pointing at the server (the one example with hard-coded ports runs
-only when 8000/8001 are free and the server could take them); an example passes when it exits
+own process, with ``-u`` pointing at the server (the one example with its addresses written in,
+``memory_growth_test.py``, runs as a copy whose ``localhost:8000`` / ``localhost:8001`` name the
+server's free ports: the suite never takes the default ports); an example passes when it exits
 0 (and, for those in :data:`PASS_LINES`, which exit 0 either way, prints its PASS line:
 Triton's error text matched).
 
@@ -26,7 +27,6 @@ completes it (also under the load request's override ``{"max_batch_size": "16"}`
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,19 +97,12 @@ PASS_LINES = {
     "grpc_explicit_int_content_client.py": "PASS: explicit int",
     "grpc_explicit_int8_content_client.py": "PASS: explicit int8",
 }
+#: Examples with the server's address written in (no ``-u``): run as a copy naming the test
+#: server's ports (:func:`_localised`).
+ADDRESSES_WRITTEN_IN = ("memory_growth_test.py",)
 #: The model-control examples, each with the number of models its repository index must
 #: hold; run by :func:`test_model_control_example`, each against a server of its own.
 MODEL_CONTROL = {"simple_http_model_control.py": 7, "simple_grpc_model_control.py": 8}
-
-
-def _ports_free(*ports: int) -> bool:
-    for port in ports:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
 
 
 def _examples() -> list[str]:
@@ -119,43 +112,24 @@ def _examples() -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = write_triton_examples(tmp_path_factory.mktemp("triton") / "models")
-    settings = {
-        "model_control_mode": "explicit",
-        "load_model": ["*"],
-        "allow_client_shm": True,
-    }
-    running = None
-    if _ports_free(8000, 8001):  # memory_growth_test.py has localhost:8000/8001 written in
-        try:
-            running = _FixedPortServer(root, **settings)
-        except Exception:  # taken meanwhile
-            running = None
-    fixed = running is not None
-    if running is None:
-        running = InProcessServer(root, **settings)
-    running.fixed_ports = fixed
+    running = InProcessServer(
+        root, model_control_mode="explicit", load_model=["*"], allow_client_shm=True
+    )
     yield running
     running.stop()
 
 
-class _FixedPortServer(InProcessServer):
-    """InProcessServer on HTTP 8000 and gRPC 8001 (Triton's defaults)."""
-
-    def __init__(self, repository: Path, **settings) -> None:
-        import gpuserve.config
-
-        original = gpuserve.config.ServerConfig
-
-        def fixed(**kwargs):
-            kwargs["http_port"] = 8000
-            return original(**kwargs)
-
-        settings["grpc_port"] = 8001
-        gpuserve.config.ServerConfig = fixed  # type: ignore[misc]
-        try:
-            super().__init__(repository, **settings)
-        finally:
-            gpuserve.config.ServerConfig = original  # type: ignore[misc]
+def _localised(name: str, server, folder: Path) -> Path:
+    """The example, or for one with its addresses written in a copy in ``folder`` whose
+    ``localhost:8000`` / ``localhost:8001`` name ``server``'s ports (nothing else changes)."""
+    if name not in ADDRESSES_WRITTEN_IN:
+        return FOLDER / name
+    code = (FOLDER / name).read_text()
+    code = code.replace("localhost:8000", server.url.removeprefix("http://"))
+    code = code.replace("localhost:8001", server.grpc_url)
+    copy = folder / name
+    copy.write_text(code)
+    return copy
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +142,13 @@ def image(tmp_path_factory) -> Path:
     return path
 
 
-def _commands(name: str, server, image: Path) -> list[list[str]]:
+def _commands(name: str, server, image: Path, folder: Path) -> list[list[str]]:
     commands = []
     for extra in RUNS.get(name, [[]]):
         grpc = "grpc" in name or "grpc" in extra
         url = server.grpc_url if grpc else server.url.removeprefix("http://")
-        command = [sys.executable, str(FOLDER / name)]
-        if name != "memory_growth_test.py":  # localhost:8000/8001 written in
+        command = [sys.executable, str(_localised(name, server, folder))]
+        if name not in ADDRESSES_WRITTEN_IN:
             command += ["-u", url]
         commands.append(command + [arg.format(image=image) for arg in extra])
     return commands
@@ -182,16 +156,14 @@ def _commands(name: str, server, image: Path) -> list[list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", _examples())
-def test_example_runs_unchanged(name, server, image):
+def test_example_runs_unchanged(name, server, image, tmp_path):
     if name in NOT_RUN:
         pytest.skip(NOT_RUN[name])
     if name in OTHER_AREAS:
         pytest.skip(OTHER_AREAS[name])
-    if name == "memory_growth_test.py" and not server.fixed_ports:
-        pytest.skip("hard-codes localhost:8000/8001, which are taken on this machine")
     if name in KNOWN and not RUN_ALL:
         pytest.skip(f"fails outside this area: {KNOWN[name]}")
-    runs = _commands(name, server, image)
+    runs = _commands(name, server, image, tmp_path)
     for command in runs:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, (

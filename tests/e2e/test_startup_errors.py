@@ -45,8 +45,13 @@ def gpuserve(*args: str, hide: str = "", timeout_s: float = 60.0) -> subprocess.
     )
 
 
+#: Every listener on a free port: a start never tries gpuserve's default ports, which belong
+#: to the user's own server (were they taken, the start would report them too).
+FREE_PORTS = ("--http-port", "0", "--grpc-port", "0", "--metrics-port", "0")
+
+
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return gpuserve("serve", "--host", "127.0.0.1", "--http-port", "0", *args)
+    return gpuserve("serve", "--host", "127.0.0.1", *FREE_PORTS, *args)
 
 
 def one_line(result: subprocess.CompletedProcess) -> str:
@@ -83,7 +88,7 @@ def test_a_mistyped_repository_exits_at_once_naming_the_path(tmp_path):
     assert result.returncode == 2 and str(a_file / "x") in one_line(result)
 
     env_result = subprocess.run(
-        [sys.executable, "-m", "gpuserve", "serve", "--http-port", "0"],
+        [sys.executable, "-m", "gpuserve", "serve", *FREE_PORTS],
         capture_output=True,
         text=True,
         timeout=60,
@@ -98,7 +103,8 @@ def test_an_unreadable_repository_exits_naming_the_path(tmp_path):
     locked = make_repository(tmp_path / "locked", "double4_fp32")
     locked.chmod(0)
     try:
-        command = [sys.executable, "-m", "gpuserve", "serve", "--model-repository", str(locked)]
+        command = [sys.executable, "-m", "gpuserve", "serve", *FREE_PORTS]
+        command += ["--model-repository", str(locked)]
         if os.geteuid() == 0:  # root reads any folder: drop the capabilities that allow it
             command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
@@ -192,7 +198,8 @@ def test_version_and_flags_without_a_subcommand():
     result = gpuserve("--version")
     assert result.returncode == 0 and result.stdout.startswith("gpuserve ")
     assert result.stdout.split()[1][0].isdigit()
-    result = gpuserve("--model-repository", "/nonexistent/modles")  # serves, as `gpuserve` does
+    # serves, as `gpuserve` does
+    result = gpuserve("--model-repository", "/nonexistent/modles", *FREE_PORTS)
     assert result.returncode == 2 and "/nonexistent/modles" in one_line(result)
 
 
@@ -212,11 +219,11 @@ def test_models_init_copies_the_embedded_repository_once(tmp_path, capsys):
 
     target = tmp_path / "models"
     assert main(["models", "init", str(target)]) == 0
-    assert sorted(p.name for p in target.iterdir()) == ["simple", "text_embedding"]
+    assert sorted(p.name for p in target.iterdir()) == ["chat", "simple", "text_embedding"]
     assert (target / "text_embedding" / "config.yaml").is_file()
     assert main(["models", "validate", "--model-repository", str(target)]) == 0
     assert main(["models", "init", str(target)]) == 1  # never over an existing model
-    assert "already has simple, text_embedding; nothing copied" in capsys.readouterr().err
+    assert "already has chat, simple, text_embedding; nothing copied" in capsys.readouterr().err
 
 
 def test_trace_config_errors_and_the_missing_tracing_extra_exit_in_one_line(tmp_path):

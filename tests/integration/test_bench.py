@@ -103,6 +103,25 @@ def test_cli_writes_table_json_csv_and_plot(server, tmp_path, capsys):
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_sweep_shows_a_line_per_level_as_it_ends_without_a_terminal(server, tmp_path, capsys):
+    """Not a terminal (a log, a CI job, a pipe): no progress bar, but never silent for the
+    minutes a sweep takes; a line says what runs, then one per level as it ends."""
+    code = main([
+        "bench", "--url", server.url, "-m", "double4_fp32", "--concurrency", "1,2,4",
+        "--warmup-s", "0.1", "--window-s", "0.2", "--max-windows", "2", "--stable-windows", "1",
+        "--output-dir", str(tmp_path / "bench"), "--no-plot",
+    ])  # fmt: skip
+    assert code == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines[0].startswith("gpuserve bench: double4_fp32 at http://"), lines
+    assert "concurrency 1, 2, 4" in lines[0]
+    levels = [line for line in lines if "infer/s" in line]
+    assert len(levels) == 3, lines
+    for done, (line, level) in enumerate(zip(levels, (1, 2, 4), strict=True), 1):
+        assert line.startswith(f"gpuserve bench: [{done}/3] concurrency {level}: "), line
+        assert " p50 " in line and " p99 " in line and "windows" in line
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("gpuserve.server.grpc") is None,
     reason="the gRPC front end (gpuserve.server.grpc) is not in this tree",

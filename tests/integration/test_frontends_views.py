@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gpuserve
-from gpuserve.errors import OutOfMemoryError
+from gpuserve.errors import OutOfMemoryError, TooManyInputsError
 from gpuserve.server.status import STATUS
 from tests.conftest import FIXTURE_REPOSITORY
 from tests.integration.frontends import (
@@ -40,8 +40,11 @@ ROW = np.arange(16, dtype=np.float32)[None]
 
 def test_the_status_table_pairs_http_and_grpc_as_gpuserves_does():
     for error, (http, grpc_code) in STATUS.items():
-        if error is OutOfMemoryError:  # 503 / RESOURCE_EXHAUSTED: the one many-to-one pair
+        if error is OutOfMemoryError:  # 503 / RESOURCE_EXHAUSTED: a many-to-one pair
             assert (http, grpc_code) == (503, "RESOURCE_EXHAUSTED")
+            continue
+        if error is TooManyInputsError:  # 413 / INVALID_ARGUMENT: gRPC has no "too large"
+            assert (http, grpc_code) == (413, "INVALID_ARGUMENT")
             continue
         assert HTTP_STATUS[http] == Status[grpc_code], error.__name__
 

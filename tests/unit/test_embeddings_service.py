@@ -86,8 +86,8 @@ def test_huggingface_feature_extraction_is_automatic_and_can_opt_out():
 @pytest.mark.parametrize(
     ("embedding", "match"),
     [
-        ({"text_input": "NOPE"}, "input 'NOPE' is not declared"),
-        ({"output": "NOPE"}, "output 'NOPE' is not declared"),
+        ({"text_input": "NOPE"}, "embedding.text_input 'NOPE' is not an input of model 'm'"),
+        ({"output": "NOPE"}, "embedding.output 'NOPE' is not an output of model 'm'"),
         ({"dimensions": [2, 8]}, r"dimensions \[8\] exceed the width 4"),
         ({"token_ids_input": "TEXT", "text_input": None}, "must be INT64 or INT32"),
         ({"text_input": None, "token_ids_input": None}, "set text_input, token_ids_input"),
@@ -119,7 +119,7 @@ def test_a_completed_configuration_that_does_not_fit_is_a_config_error():
         backend="huggingface",
         outputs=[TensorSpec(name="EMBEDDING", datatype="BYTES", shape=[1])],
     )
-    with pytest.raises(ConfigError, match="model 'hf': embedding: output 'EMBEDDING' is BYTES"):
+    with pytest.raises(ConfigError, match="model 'hf': embedding.output 'EMBEDDING' is BYTES"):
         embedding_spec(hf)
 
 

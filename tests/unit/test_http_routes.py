@@ -85,6 +85,9 @@ SAMPLES: dict[str, tuple[str, str, bytes, Any]] = {
     "Exact('/similarity')": ("POST", "/similarity", b"", None),
     "Exact('/')": ("POST", "/", b"", None),
     "Mount('/models')": ("POST", "/models/m", b"", ()),
+    "Exact('/health')": ("GET", "/health", b"", None),
+    "Exact('/info')": ("HEAD", "/info", b"", None),
+    "Where(model_view_path)": ("GET", "/models/m/info", b"", None),
 }
 
 

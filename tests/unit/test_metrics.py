@@ -36,6 +36,7 @@ def fake_scheduler(name: str = "m", version: str = "1", queued: int = 0, in_flig
         stats=ModelStats(name, version),
         queued=queued,
         in_flight_requests=in_flight,
+        lane_queued=lambda: (queued, 0),
     )
 
 

@@ -121,6 +121,21 @@ def test_more_inputs_than_allowed_is_too_large():
     assert (answer.status, answer.code, answer.param) == (413, "request_too_large", "input")
 
 
+def test_the_servers_cap_is_the_one_check_and_a_lower_model_cap_wins():
+    limits = RequestLimits(1000, 1000, max_inputs_per_call=5)
+    parse_embeddings({"model": "m", "input": ["x"] * 5}, limits)
+    with pytest.raises(TooManyInputsError, match=r"'input' has 6 items, more than the 5 .*"):
+        parse_embeddings({"model": "m", "input": ["x"] * 6}, limits)
+    cap = ("ce", "rerank.max_documents", 3)
+    limits.check_inputs("documents", 3, cap)
+    with pytest.raises(TooManyInputsError, match=r"more than the 3 model 'ce' takes .*"):
+        limits.check_inputs("documents", 4, cap)
+    limits.check_inputs("documents", 5, ("ce", "rerank.max_documents", None))  # the server's
+    with pytest.raises(TooManyInputsError, match=r"max_inputs_per_call") as caught:
+        limits.check_inputs("documents", 6, ("ce", "rerank.max_documents", 50))  # not higher
+    assert (caught.value.count, caught.value.limit, caught.value.param) == (6, 5, "documents")
+
+
 def test_a_text_over_the_byte_limit_is_refused_with_its_index():
     limits = RequestLimits(max_tensor_elements=1000, max_bytes_element_bytes=8)
     parse_embeddings({"model": "m", "input": ["12345678", "ab"]}, limits)
@@ -163,6 +178,9 @@ def test_a_chunk_of_token_ids_has_the_declared_integer_type():
     with pytest.raises(EmbeddingInputError, match="takes text, not token ids") as caught:
         body.wire([1]).decode(text_config(), "emb", None)
     assert caught.value.param == "input"
+    assert str(caught.value).endswith(
+        "(LangChain's OpenAIEmbeddings: set check_embedding_ctx_length=False)"
+    )
     too_big = parse(input=[[2**31]])
     with pytest.raises(InvalidInputError, match=r"out of range|INT32"):
         too_big.wire([0]).decode(ids_config(), "ids", None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import shutil
 import weakref
 
@@ -363,6 +364,48 @@ def test_poll_mode_applies_changes_once_folders_stop_changing(tmp_path):
         await manager.poll_once()
         with pytest.raises(ModelNotFoundError):
             manager.version("double_fp32", None)
+        await manager.close()
+
+    run(main())
+
+
+def test_poll_mode_logs_a_new_model_that_cannot_load_as_the_start_does(tmp_path, caplog):
+    """A model added to a polled repository that cannot load (a bad configuration, an empty
+    version folder, a version whose load fails) logs an error naming it and why, once the
+    folder has stopped changing, and once per reason (not at every scan)."""
+    repo = make_repository(tmp_path / "repo", "double_fp32")
+    good = (repo / "double_fp32" / "config.yaml").read_text()
+
+    async def main():
+        manager = ModelManager(repo, control_mode="poll", poll_interval_s=3600)
+        await manager.load_all()
+        bad = repo / "bad_config"
+        (bad / "1").mkdir(parents=True)
+        (bad / "config.yaml").write_text(good + "max_batch_size: -3\n")
+        empty = repo / "empty_version"
+        (empty / "1").mkdir(parents=True)
+        (empty / "config.yaml").write_text(good)
+        make_repository(repo, "broken_model")
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="gpuserve.repository"):
+            await manager.poll_once()  # first sight: may still be being written
+            assert "bad_config" not in caplog.text and "empty_version" not in caplog.text
+            for _ in range(3):
+                await manager.poll_once()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        bad_lines = [m for m in errors if m.startswith("model bad_config cannot be loaded")]
+        assert len(bad_lines) == 1 and "max_batch_size" in bad_lines[0], errors
+        empty_lines = [m for m in errors if m.startswith("model empty_version cannot be loaded")]
+        assert len(empty_lines) == 1 and "empty version folder" in empty_lines[0], errors
+        broken = [m for m in errors if m.startswith("model broken_model")]
+        assert broken and "failed to load" in broken[0], errors
+
+        (bad / "config.yaml").write_text(good + "max_batch_size: -4\n")  # another reason
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="gpuserve.repository"):
+            await manager.poll_once()
+            await manager.poll_once()
+        assert "bad_config cannot be loaded" in caplog.text and "-4" in caplog.text
         await manager.close()
 
     run(main())

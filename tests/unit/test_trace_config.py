@@ -26,6 +26,7 @@ def test_triton_entries_become_settings_and_exporter_options():
             "opentelemetry,bsp_schedule_delay=200",
             "opentelemetry,bsp_max_queue_size=4096",
             "opentelemetry,bsp_max_export_batch_size=1024",
+            "opentelemetry,bsp_export_timeout=500",
         ]
     )
     assert start.mode == "opentelemetry"
@@ -40,8 +41,9 @@ def test_triton_entries_become_settings_and_exporter_options():
     assert otel.url == "collector:4318/v1/traces"
     assert otel.resource == {"service.name": "embed", "deployment": "prod"}
     assert (otel.bsp_schedule_delay_ms, otel.bsp_max_queue_size) == (200, 4096)
-    assert otel.bsp_max_export_batch_size == 1024
+    assert (otel.bsp_max_export_batch_size, otel.bsp_export_timeout_ms) == (1024, 500)
     assert parse_trace_config([]).mode == "triton"
+    assert parse_trace_config([]).otel.bsp_export_timeout_ms == 3000
     # a later level replaces OFF, as repeated --trace-config level= entries do in Triton
     assert parse_trace_config(["level=OFF", "level=TIMESTAMPS"]).settings == {
         "trace_level": ["TIMESTAMPS"]

@@ -8,8 +8,12 @@ Triton's platforms map onto these when a ``config.pbtxt`` is read
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gpuserve.backends.base import Backend
 from gpuserve.config import ModelConfig
+from gpuserve.config.model import sections_problem
+from gpuserve.errors import ConfigError
 
 BACKEND_NAMES = ("python", "torch", "onnx", "huggingface")
 
@@ -46,12 +50,39 @@ def backend_class(name: str) -> type[Backend]:
 
 def backend_for(config: ModelConfig) -> type[Backend]:
     """The backend class of a model's config: as :func:`backend_class`, except that a
-    generative model (``config.generates``) gets the causal LM backend."""
+    generative model (``config.generates``) gets the causal LM backend. A huggingface task
+    left unset must be read from the folder first (:func:`complete_for_version` does)."""
     if config.generates:
         from gpuserve.backends.causal_lm.backend import CausalLMBackend
 
         return CausalLMBackend
     return backend_class(config.backend)
+
+
+def complete_for_version(
+    config: ModelConfig, version_path: Path, *, auto_complete: bool = True
+) -> ModelConfig:
+    """The configuration one version is served with, from the model's: the huggingface task
+    read from the folder where the config leaves it unset
+    (:func:`~gpuserve.backends.hf_task.resolve_task`; the task picks the backend), completed
+    by its backend from the model file (``complete_config``), then its API sections
+    (``embedding``, ``rerank``, ``classification``, ``sparse``) checked against the tensors
+    the model now has. Blocking (reads the model's files).
+
+    Raises:
+        ConfigError: the task contradicts the folder, completion failed, or a section names
+            an input or output the model does not have (the message names the section's
+            field and the model's tensors).
+    """
+    from gpuserve.backends.hf_task import resolve_task
+
+    resolved = resolve_task(config, version_path)
+    complete = backend_for(resolved).complete_config
+    completed = complete(resolved, version_path, auto_complete=auto_complete)
+    problem = sections_problem(completed)
+    if problem is not None:
+        raise ConfigError(f"{version_path}: {problem}")
+    return completed
 
 
 def create_backend(name: str) -> Backend:

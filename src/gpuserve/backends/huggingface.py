@@ -6,8 +6,10 @@ The folder (``huggingface.model_dir``, default the version folder itself) holds 
 It is loaded with ``from_pretrained(folder, local_files_only=True)``: never a hub download.
 Needs ``transformers`` (``pip install 'gpuserve[huggingface]'``).
 
-Tasks (``huggingface.task``) and their tensors; ``config.yaml`` may omit ``inputs`` and
-``outputs``, which are then filled in from ``config.json`` (see :meth:`complete_config`)::
+Tasks (``huggingface.task``; when unset, read from the folder's ``config.json``
+``architectures`` as TEI does, see :mod:`gpuserve.backends.hf_task`) and their tensors;
+``config.yaml`` may omit ``inputs`` and ``outputs``, which are then filled in from
+``config.json`` (see :meth:`complete_config`)::
 
     feature-extraction        TEXT BYTES [1] -> EMBEDDING FP32 [hidden_size]
     sequence-classification   TEXT BYTES [1] (+ TEXT_PAIR BYTES [1], optional)
@@ -170,7 +172,7 @@ class HuggingFaceBackend(Backend):
         config = complete_hf_config(context.config, context.version_path)
         hf = config.huggingface
         info = read_folder(model_folder(config, context.version_path))
-        self.task = hf.task
+        self.task = hf.task or FEATURE_EXTRACTION  # completion has set it
         self.text_input = config.inputs[0].name
         self.pair_input = config.inputs[1].name if len(config.inputs) > 1 else None
         self.top_k = hf.sparse_top_k

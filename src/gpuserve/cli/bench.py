@@ -168,8 +168,23 @@ def register(sub: Any) -> None:
         action="store_true",
         help="replace the results an earlier run left in --output-dir (default: refuse)",
     )
+    bench.add_argument(
+        "--generate",
+        action="store_true",
+        help="the model generates text: stream /v1/completions (prompts from --input-lines, "
+        "else built-in sentences) and report output tokens/s, time to first token and "
+        "inter-token latency per concurrency level",
+    )
+    bench.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="--generate: tokens generated per call (EOS ignored; default 128)",
+    )
     bench.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--quiet", action="store_true", help="no progress (the line per level, the bar)"
+    )
     bench.set_defaults(func=run)
 
 
@@ -192,8 +207,27 @@ def settings_from_args(args: argparse.Namespace, **defaults: float) -> Any:
     )
 
 
-def progress_hooks(quiet: bool, levels: list[float], unit: str) -> tuple[Any, Any, Any]:
-    """A rich progress bar on stderr: (context manager, on_window, on_level)."""
+def level_line(result: Any, done: int, total: int) -> str:
+    """One line on a measured level (the progress of a sweep): its throughput, p50 and p99,
+    how many windows it took and whether they agreed, and its failures."""
+    summary = result.summary
+    unit = "concurrency" if result.mode == "concurrency" else "rate"
+    line = (
+        f"[{done}/{total}] {unit} {result.level:g}: {summary.throughput:.1f} infer/s, "
+        f"p50 {summary.latency_ms.get(50, 0.0):.1f} ms, p99 {summary.latency_ms.get(99, 0.0):.1f} "
+        f"ms ({len(result.windows)} windows{'' if result.stable else ', not stable'})"
+    )
+    if summary.errors:
+        line += ", failures " + ", ".join(f"{k}: {v}" for k, v in sorted(summary.errors.items()))
+    return line
+
+
+def progress_hooks(
+    quiet: bool, levels: list[float], unit: str, tty: bool = True
+) -> tuple[Any, Any, Any]:
+    """Progress on stderr: (context manager, on_window, on_level). One line per measured
+    level, as it ends (a sweep takes minutes: never silent); on a terminal, also a progress
+    bar showing the current window (the lines print above it). Nothing with ``quiet``."""
     import contextlib
 
     from rich.console import Console
@@ -201,6 +235,15 @@ def progress_hooks(quiet: bool, levels: list[float], unit: str) -> tuple[Any, An
 
     if quiet:
         return contextlib.nullcontext(), None, None
+    done = [0]
+    if not tty:
+
+        def print_level(result: Any) -> None:
+            done[0] += 1
+            print(f"gpuserve bench: {level_line(result, done[0], len(levels))}", file=sys.stderr)
+            sys.stderr.flush()
+
+        return contextlib.nullcontext(), None, print_level
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -219,6 +262,9 @@ def progress_hooks(quiet: bool, levels: list[float], unit: str) -> tuple[Any, An
         )
 
     def on_level(result: Any) -> None:
+        done[0] += 1
+        line = level_line(result, done[0], len(levels))
+        progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
         progress.advance(task)
 
     return progress, on_window, on_level
@@ -255,6 +301,13 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         err.print("gpuserve bench: --batch-size must be >= 1")
         return 2
+    if args.generate:
+        if mode != "concurrency":
+            err.print("gpuserve bench: --generate runs closed-loop levels (--concurrency)")
+            return 2
+        from gpuserve.cli.bench_generate import run_generate
+
+        return run_generate(args, levels)
     if args.input_lines is not None and args.input_data is not None:
         err.print("gpuserve bench: give --input-data or --input-lines, not both")
         return 2
@@ -293,8 +346,17 @@ def run(args: argparse.Namespace) -> int:
     )
     unit = "concurrency" if mode == "concurrency" else "rate"
     progress, on_window, on_level = progress_hooks(
-        args.quiet or not sys.stderr.isatty(), levels, unit
+        args.quiet, levels, unit, tty=sys.stderr.isatty()
     )
+    if not args.quiet:  # the first level's line comes after its warm-up and windows
+        target = args.grpc_url if args.protocol == "grpc" else args.url
+        sweep = ", ".join(f"{value:g}" for value in levels)
+        err.print(
+            f"gpuserve bench: {args.model} at {target}, {unit} {sweep}: a line per level as "
+            "it ends",
+            markup=False,
+            highlight=False,
+        )
     try:
         with progress:
             result = run_benchmark(config, on_window=on_window, on_level=on_level)

@@ -44,6 +44,7 @@ SERVE_FIELDS += [  # security and limits
     "max_header_bytes",
     "max_tensor_elements",
     "max_bytes_element_bytes",
+    "max_inputs_per_call",
     "http_keep_alive_timeout_s",
 ]
 SERVE_FIELDS += ["allow_client_shm"]  # Triton's shared-memory extension
@@ -54,6 +55,14 @@ SERVE_FIELDS += [  # models' admission steps
     "admission_inline_bytes",
 ]
 SERVE_FIELDS += ["malloc_arena_max", "malloc_mmap_threshold_bytes", "memory_trim_interval_s"]
+SERVE_FIELDS += [  # the Batch API: its state directory and limits
+    "state_dir",
+    "batch_max_file_bytes",
+    "batch_max_lines",
+    "batch_concurrent_lines",
+    "batch_file_ttl_s",
+    "batch_max_storage_bytes",
+]
 
 
 def _boolean(text: str) -> bool:
@@ -125,7 +134,44 @@ def register(sub: Any) -> None:
     _security_flags(serve)
     _memory_flags(serve)
     _admission_flags(serve)
+    _batch_flags(serve)
     serve.set_defaults(func=run)
+
+
+def _batch_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where the Batch API keeps its files and job store, so jobs resume after a "
+        "restart (default: .gpuserve-state beside the model repository, or "
+        "~/.local/share/gpuserve/state when that folder is not writable)",
+    )
+    serve.add_argument(
+        "--batch-max-file-bytes",
+        type=int,
+        help="largest file POST /v1/files accepts, bytes (413 beyond; default 209715200)",
+    )
+    serve.add_argument(
+        "--batch-max-lines",
+        type=int,
+        help="most lines (requests) in one batch file (413 beyond; default 50000)",
+    )
+    serve.add_argument(
+        "--batch-concurrent-lines",
+        type=int,
+        help="batch lines in flight at once, all batches together (default 8)",
+    )
+    serve.add_argument(
+        "--batch-file-ttl-s",
+        type=float,
+        help="seconds a stored file is kept before it expires (default 2592000: 30 days)",
+    )
+    serve.add_argument(
+        "--batch-max-storage-bytes",
+        type=int,
+        help="most bytes the Batch API's files may hold; uploads past it get 413 "
+        "(default 0: no limit but expiry)",
+    )
 
 
 def _admission_flags(serve: argparse.ArgumentParser) -> None:
@@ -223,6 +269,12 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         "--max-bytes-element-bytes",
         type=int,
         help="longest element of a BYTES input (400 beyond; default 67108864)",
+    )
+    serve.add_argument(
+        "--max-inputs-per-call",
+        type=int,
+        help="most inputs (texts, documents) one call of the embeddings, rerank and "
+        "classification APIs may carry (413 beyond; default 2048)",
     )
 
 

@@ -77,6 +77,12 @@ class OnnxConfig(_Strict):
         return providers
 
 
+#: What a ``huggingface`` model is served for.
+HuggingFaceTask = Literal[
+    "feature-extraction", "sequence-classification", "sparse-embedding", "text-generation"
+]
+
+
 class HuggingFaceConfig(_Strict):
     """A local Hugging Face transformers folder (backend ``huggingface``).
 
@@ -87,6 +93,18 @@ class HuggingFaceConfig(_Strict):
             reranker) or ``sparse-embedding`` (a masked-LM model with SPLADE pooling,
             outputs ``SPARSE_INDICES``, ``SPARSE_VALUES``) or ``text-generation`` (a causal
             language model served with continuous batching; see the ``generate`` section).
+            None (the default): read from the folder at load, as TEI does, from the first
+            ``architectures`` entry of ``config.json`` with a head:
+            ``*ForSequenceClassification`` -> ``sequence-classification``;
+            ``*ForCausalLM`` / ``*LMHeadModel`` (and any ``.gguf`` file) ->
+            ``text-generation``; ``*ForMaskedLM`` -> ``sparse-embedding`` if the folder's
+            sentence-transformers ``modules.json`` has a ``SpladePooling`` module, else
+            ``feature-extraction``; a bare encoder (``BertModel``, sentence-transformers
+            folders) or no ``architectures`` -> ``feature-extraction``; any other head
+            (``*ForTokenClassification``, ...) is refused. A task set here that needs a head
+            the folder lacks (``sequence-classification`` of a ``BertModel``: its classifier
+            would be random) is refused at load, naming both; ``feature-extraction`` of a
+            folder with a head serves its encoder, with a warning that the head is unused.
         model_dir: Folder with ``config.json``, the weights and the tokenizer files; relative
             paths are relative to the version folder. None: the version folder itself. For
             ``text-generation`` also a GGUF file, or ``package:NAME/FILE`` for a file shipped
@@ -109,9 +127,7 @@ class HuggingFaceConfig(_Strict):
             on a GPU, and a model it cannot run fails to load; ``false``: padded batches.
     """
 
-    task: Literal[
-        "feature-extraction", "sequence-classification", "sparse-embedding", "text-generation"
-    ] = "feature-extraction"
+    task: HuggingFaceTask | None = None
     model_dir: str | None = None
     max_length: int | None = Field(default=None, ge=2, le=1_000_000)
     truncation: bool = True

@@ -72,51 +72,58 @@ _TOKEN_ID_DATATYPES = ("INT64", "INT32")
 
 
 def embedding_problem(config: ModelConfig, embedding: EmbeddingConfig) -> str | None:
-    """What is wrong with ``embedding`` for ``config``'s tensors, or None when it fits.
+    """What is wrong with ``embedding`` for ``config``'s tensors, or None when it fits; the
+    message names the section's field and the model's tensors.
 
     Inputs and outputs are checked only when declared (a backend may fill them in at load):
     ``text_input`` BYTES ``[1]`` or ``[]``; ``token_ids_input`` INT64/INT32 ``[-1]``; any
     other input optional (the API sends only one); ``output`` FP32/FP16/FP64 ``[width]``
     with every ``dimensions`` entry at most ``width``.
     """
-    where = "embedding"
+    model = f"model {config.name!r}" if config.name else "the model"
     if config.inputs:
         used = [n for n in (embedding.text_input, embedding.token_ids_input) if n is not None]
-        for name, datatypes, shapes in (
-            (embedding.text_input, ("BYTES",), ([1], [])),
-            (embedding.token_ids_input, _TOKEN_ID_DATATYPES, ([-1],)),
+        for field, name, datatypes, shapes in (
+            ("embedding.text_input", embedding.text_input, ("BYTES",), ([1], [])),
+            ("embedding.token_ids_input", embedding.token_ids_input, _TOKEN_ID_DATATYPES, ([-1],)),
         ):
             if name is None:
                 continue
             spec = config.input(name)
             if spec is None:
-                names = [t.name for t in config.inputs]
-                return f"{where}: input {name!r} is not declared (inputs: {names})"
+                names = ", ".join(t.name for t in config.inputs)
+                return f"{field} {name!r} is not an input of {model} (inputs: {names})"
             if spec.datatype not in datatypes or spec.shape not in shapes:
                 return (
-                    f"{where}: input {name!r} is {spec.datatype} {spec.shape}; it must be "
+                    f"{field} {name!r} is {spec.datatype} {spec.shape}; it must be "
                     f"{' or '.join(datatypes)} with shape {' or '.join(map(str, shapes))}"
                 )
             if len(used) > 1 and not spec.optional:
-                return f"{where}: input {name!r} must be optional (a request sends text or ids)"
+                return f"{field} {name!r} must be an optional input (a request sends text or ids)"
         required = [t.name for t in config.inputs if not t.optional and t.name not in used]
         if required:
             return (
-                f"{where}: inputs {required} are required, but the embeddings API sends only "
-                f"{used}: declare them optional"
+                f"embedding: inputs {required} are required by {model}, but the embeddings "
+                f"API sends only {used}: declare them optional"
             )
     if config.outputs:
         out = next((t for t in config.outputs if t.name == embedding.output), None)
         if out is None:
-            names = [t.name for t in config.outputs]
-            return f"{where}: output {embedding.output!r} is not declared (outputs: {names})"
+            names = ", ".join(t.name for t in config.outputs)
+            return (
+                f"embedding.output {embedding.output!r} is not an output of {model} "
+                f"(outputs: {names})"
+            )
         if out.datatype not in _EMBEDDING_DATATYPES or len(out.shape) != 1:
             return (
-                f"{where}: output {out.name!r} is {out.datatype} {out.shape}; it must be "
+                f"embedding.output {out.name!r} is {out.datatype} {out.shape}; it must be "
                 f"{'/'.join(_EMBEDDING_DATATYPES)} with shape [width]"
             )
         width = out.shape[0]
         too_wide = [d for d in embedding.dimensions if width != -1 and d > width]
         if too_wide:
-            return f"{where}: dimensions {too_wide} exceed the width {width} of {out.name!r}"
+            return (
+                f"embedding.dimensions {too_wide} exceed the width {width} of output "
+                f"{out.name!r} of {model}"
+            )
     return None

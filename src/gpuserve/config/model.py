@@ -139,6 +139,9 @@ class DynamicBatchingConfig(_Strict):
             batches also group requests of similar length (see
             :mod:`gpuserve.engine.lengths`). None (default): 512 when every instance is on a
             CPU, 16384 when one is on a GPU. Rows stay bounded by ``max_batch_size``.
+        bulk_max_queue_size: Most requests of the bulk lane held in the queue (requests
+            marked bulk, and every request of a batch job); one more is refused with 429.
+            Bulk requests do not count against ``max_queue_size``.
     """
 
     max_queue_delay_us: int = Field(default=0, ge=0, le=60_000_000)
@@ -150,6 +153,7 @@ class DynamicBatchingConfig(_Strict):
     early_dispatch: bool = True
     adaptive: AdaptiveBatchingConfig | None = None
     max_batch_tokens: int | None = Field(default=None, ge=1)
+    bulk_max_queue_size: int = Field(default=4096, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> DynamicBatchingConfig:
@@ -321,7 +325,8 @@ class ModelConfig(_Strict):
             :mod:`gpuserve.config.sequence`); None: the dynamic batcher.
         generate: Serve a causal language model with continuous batching (see
             :mod:`gpuserve.config.generate`); implied by ``huggingface.task:
-            text-generation``.
+            text-generation``, and by a folder holding a causal language model (or a GGUF
+            file) when the task is unset.
         model_warmup: Requests each instance runs before the version serves (Triton's
             ``model_warmup``, see :mod:`gpuserve.config.warmup`).
     """
@@ -360,7 +365,9 @@ class ModelConfig(_Strict):
     @property
     def generates(self) -> bool:
         """Whether this is a generative model (a ``generate`` section, or the huggingface
-        backend's ``text-generation`` task)."""
+        backend's ``text-generation`` task). A huggingface task left unset is read from the
+        model's folder at load (:func:`gpuserve.backends.hf_task.resolve_task`): until then
+        this says False, and the served (loaded) configuration says what the folder holds."""
         return self.generate is not None or (
             self.backend == "huggingface" and self.huggingface.task == "text-generation"
         )
@@ -377,13 +384,21 @@ class ModelConfig(_Strict):
                 "a 'generate' section needs backend 'huggingface' (a causal language model "
                 f"folder or GGUF file), got backend {self.backend!r}"
             )
+        task = self.huggingface.task
+        if self.generate is not None and task not in (None, "text-generation"):
+            raise ValueError(
+                "a 'generate' section serves text generation; huggingface.task is "
+                f"{task!r} (set it to 'text-generation', or leave it unset)"
+            )
         if self.generates and self.max_batch_size not in (0, 8):
             raise ValueError(
                 "a generative model is batched by its 'generate' section (max_running, "
                 f"max_tokens_per_step), not max_batch_size (got {self.max_batch_size})"
             )
+        # A huggingface task read from the folder at load is checked again then.
+        unread = self.backend == "huggingface" and task is None
         if self.model_transaction_policy.decoupled and not (
-            self.backend == "python" or self.generates
+            self.backend == "python" or self.generates or unread
         ):
             raise ValueError(
                 "model_transaction_policy.decoupled needs backend 'python' (a Model.generate "
@@ -459,13 +474,9 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_embedding(self) -> ModelConfig:
-        # Checked here against declared tensors; tensors a backend fills in at load
-        # (huggingface) are checked when the embeddings API resolves the served config.
-        if self.embedding is not None and self.embedding.enabled:
-            problem = embedding_problem(self, self.embedding)
-            if problem is not None:
-                raise ValueError(problem)
-        problem = retrieval_problem(self)
+        # Checked here against declared tensors; tensors a backend fills in at load are
+        # checked again once filled in (gpuserve.backends.complete_for_version).
+        problem = sections_problem(self)
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -506,6 +517,34 @@ class ModelConfig(_Strict):
             if spec.name == name:
                 return spec
         return None
+
+
+def sections_problem(config: ModelConfig) -> str | None:
+    """What is wrong with the API sections of ``config`` (``embedding``, ``rerank``,
+    ``classification``, ``sparse``) for its inputs and outputs, or None. Only declared
+    tensors are checked: run it again on the completed configuration, whose tensors are the
+    model's. The message names the section's field and the model's tensors."""
+    problems = [retrieval_problem(config)]
+    if config.embedding is not None and config.embedding.enabled:
+        problems.insert(0, embedding_problem(config, config.embedding))
+    found = [p for p in problems if p is not None]
+    return "; ".join(found) if found else None
+
+
+def updated_model_config(config: ModelConfig, path: Path, **fields: Any) -> ModelConfig:
+    """``config`` with top-level ``fields`` replaced (given as a ``config.yaml`` gives them),
+    validated again as a whole: every cross-field rule holds for the result. The fields
+    ``config`` sets stay set, and no others.
+
+    Raises:
+        ConfigError: the result is invalid (worded as :func:`parse_model_config` words it,
+            naming ``path``).
+    """
+    data = config.model_dump(exclude_unset=True) | fields
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(path, err)) from None
 
 
 def _format_validation_error(path: Path, err: ValidationError) -> str:

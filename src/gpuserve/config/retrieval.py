@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from gpuserve.config.base import Strict
 
 if TYPE_CHECKING:
-    from gpuserve.config.model import ModelConfig
+    from gpuserve.config.model import ModelConfig, TensorSpec
 
 
 class RerankConfig(Strict):
@@ -34,7 +34,8 @@ class RerankConfig(Strict):
         output: FP32 ``[1]`` (or ``[n]``: column ``score_index`` is read) output of raw scores
             (logits); the APIs apply a sigmoid unless the client asks for raw scores.
         score_index: The column of ``output`` holding the relevance score.
-        max_documents: Most passages one call may rank (more: 413 / 400 in the API's shape).
+        max_documents: Most passages one call may rank, when lower than the server's
+            ``max_inputs_per_call`` (unset: that cap applies; more: 413).
     """
 
     enabled: bool = True
@@ -42,7 +43,7 @@ class RerankConfig(Strict):
     pair_input: str = Field(default="TEXT_PAIR", min_length=1)
     output: str = Field(default="LOGITS", min_length=1)
     score_index: int = Field(default=0, ge=0)
-    max_documents: int = Field(default=1000, ge=1, le=1_000_000)
+    max_documents: int | None = Field(default=None, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _check(self) -> RerankConfig:
@@ -64,7 +65,8 @@ class ClassificationConfig(Strict):
             fills them in from ``id2label``); empty: ``LABEL_<i>``.
         multi_label: Scores are a sigmoid per label (``problem_type:
             multi_label_classification``), else a softmax over labels.
-        max_inputs: Most texts one call may classify.
+        max_inputs: Most texts one call may classify, when lower than the server's
+            ``max_inputs_per_call`` (unset: that cap applies; more: 413).
     """
 
     enabled: bool = True
@@ -73,7 +75,7 @@ class ClassificationConfig(Strict):
     output: str = Field(default="LOGITS", min_length=1)
     labels: list[str] = Field(default_factory=list)
     multi_label: bool = False
-    max_inputs: int = Field(default=1000, ge=1, le=1_000_000)
+    max_inputs: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class SparseConfig(Strict):
@@ -87,38 +89,52 @@ class SparseConfig(Strict):
         enabled: False keeps the model off the sparse API.
         text_input: BYTES ``[1]`` input taking one text per row.
         indices_output / values_output: The two outputs above.
-        max_inputs: Most texts one call may embed.
+        max_inputs: Most texts one call may embed, when lower than the server's
+            ``max_inputs_per_call`` (unset: that cap applies; more: 413).
     """
 
     enabled: bool = True
     text_input: str = Field(default="TEXT", min_length=1)
     indices_output: str = Field(default="SPARSE_INDICES", min_length=1)
     values_output: str = Field(default="SPARSE_VALUES", min_length=1)
-    max_inputs: int = Field(default=1000, ge=1, le=1_000_000)
+    max_inputs: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
-def _input_problem(config: ModelConfig, where: str, name: str, optional: bool) -> str | None:
+def model_label(config: ModelConfig) -> str:
+    """``model 'NAME'`` once the config has its name (at load), else ``the model``."""
+    return f"model {config.name!r}" if config.name else "the model"
+
+
+def _names(specs: list[TensorSpec]) -> str:
+    return ", ".join(t.name for t in specs) or "none"
+
+
+def _input_problem(config: ModelConfig, field: str, name: str, optional: bool) -> str | None:
     spec = config.input(name)
     if spec is None:
-        declared = [t.name for t in config.inputs]
-        return f"{where}: input {name!r} is not declared (inputs: {declared})"
+        return (
+            f"{field} {name!r} is not an input of {model_label(config)} "
+            f"(inputs: {_names(config.inputs)})"
+        )
     if spec.datatype != "BYTES" or spec.shape not in ([1], []):
-        return f"{where}: input {name!r} is {spec.datatype} {spec.shape}; it must be BYTES [1]"
+        return f"{field} {name!r} is {spec.datatype} {spec.shape}; it must be BYTES [1]"
     if optional and not spec.optional:
-        return f"{where}: input {name!r} must be optional (single texts omit it)"
+        return f"{field} {name!r} must be an optional input (single texts omit it)"
     return None
 
 
 def _output_problem(
-    config: ModelConfig, where: str, name: str, datatypes: tuple[str, ...]
+    config: ModelConfig, field: str, name: str, datatypes: tuple[str, ...]
 ) -> str | None:
     out = next((t for t in config.outputs if t.name == name), None)
     if out is None:
-        declared = [t.name for t in config.outputs]
-        return f"{where}: output {name!r} is not declared (outputs: {declared})"
+        return (
+            f"{field} {name!r} is not an output of {model_label(config)} "
+            f"(outputs: {_names(config.outputs)})"
+        )
     if out.datatype not in datatypes or len(out.shape) != 1:
         return (
-            f"{where}: output {name!r} is {out.datatype} {out.shape}; it must be "
+            f"{field} {name!r} is {out.datatype} {out.shape}; it must be "
             f"{'/'.join(datatypes)} with shape [n]"
         )
     return None
@@ -127,37 +143,55 @@ def _output_problem(
 def retrieval_problem(config: ModelConfig) -> str | None:
     """What is wrong with the ``rerank``/``classification``/``sparse`` sections for
     ``config``'s declared tensors, or None (tensors a backend fills in at load are checked
-    once filled in)."""
+    once filled in). The message names each field that does not fit and the model's
+    tensors, ``; ``-separated."""
     checks: list[str | None] = []
     rerank, classes, sparse = config.rerank, config.classification, config.sparse
     if rerank is not None and rerank.enabled:
         if config.inputs:
-            checks.append(_input_problem(config, "rerank", rerank.text_input, False))
-            checks.append(_input_problem(config, "rerank", rerank.pair_input, False))
+            checks.append(_input_problem(config, "rerank.text_input", rerank.text_input, False))
+            checks.append(_input_problem(config, "rerank.pair_input", rerank.pair_input, False))
         if config.outputs:
-            checks.append(_output_problem(config, "rerank", rerank.output, ("FP32", "FP16")))
+            checks.append(_output_problem(config, "rerank.output", rerank.output, ("FP32", "FP16")))
+            out = next((t for t in config.outputs if t.name == rerank.output), None)
+            width = out.shape[0] if out is not None and len(out.shape) == 1 else -1
+            if out is not None and width != -1 and rerank.score_index >= width:
+                checks.append(
+                    f"rerank.score_index {rerank.score_index} is past output {out.name!r} of "
+                    f"{model_label(config)}, of width {width}"
+                )
     if classes is not None and classes.enabled:
         if config.inputs:
-            checks.append(_input_problem(config, "classification", classes.text_input, False))
+            checks.append(
+                _input_problem(config, "classification.text_input", classes.text_input, False)
+            )
             if classes.pair_input is not None:
-                checks.append(_input_problem(config, "classification", classes.pair_input, True))
+                checks.append(
+                    _input_problem(config, "classification.pair_input", classes.pair_input, True)
+                )
         if config.outputs:
             checks.append(
-                _output_problem(config, "classification", classes.output, ("FP32", "FP16"))
+                _output_problem(config, "classification.output", classes.output, ("FP32", "FP16"))
             )
             out = next((t for t in config.outputs if t.name == classes.output), None)
-            if classes.labels and out is not None and out.shape[0] not in (-1, len(classes.labels)):
+            if (
+                classes.labels
+                and out is not None
+                and out.shape
+                and out.shape[0] not in (-1, len(classes.labels))
+            ):
                 checks.append(
-                    f"classification: {len(classes.labels)} labels for output "
-                    f"{out.name!r} of width {out.shape[0]}"
+                    f"classification.labels: {len(classes.labels)} labels for output "
+                    f"{out.name!r} of {model_label(config)}, of width {out.shape[0]}"
                 )
     if sparse is not None and sparse.enabled:
         if config.inputs:
-            checks.append(_input_problem(config, "sparse", sparse.text_input, False))
+            checks.append(_input_problem(config, "sparse.text_input", sparse.text_input, False))
         if config.outputs:
-            for name, types in (
-                (sparse.indices_output, ("INT64", "INT32")),
-                (sparse.values_output, ("FP32", "FP16")),
+            for field, name, types in (
+                ("sparse.indices_output", sparse.indices_output, ("INT64", "INT32")),
+                ("sparse.values_output", sparse.values_output, ("FP32", "FP16")),
             ):
-                checks.append(_output_problem(config, "sparse", name, types))
-    return next((c for c in checks if c is not None), None)
+                checks.append(_output_problem(config, field, name, types))
+    problems = [c for c in checks if c is not None]
+    return "; ".join(problems) if problems else None

@@ -71,6 +71,12 @@ class ServerConfig(BaseSettings):
         max_tensor_elements: Most elements in one input tensor (400 beyond, checked on the
             shape before any data is read).
         max_bytes_element_bytes: Longest element of a BYTES input, bytes (400 beyond).
+        max_inputs_per_call: Most inputs (texts, documents, token-id rows) one call of the
+            embeddings and retrieval APIs may carry: OpenAI's ``/v1/embeddings``, TEI's
+            ``/embed``, ``/embed_sparse``, ``/predict``, ``/rerank``, ``/similarity``,
+            ``/tokenize``, Cohere's ``/v1/rerank`` (413 beyond, nothing computed). A model's
+            ``rerank.max_documents``, ``classification.max_inputs`` or ``sparse.max_inputs``
+            may set a lower cap for it.
         http_keep_alive_timeout_s: An HTTP connection idle this many seconds is closed
             (0: never). Keep it above the idle timeout of any proxy in front (nginx keeps
             upstream connections 60 s), or the proxy may reuse a connection being closed.
@@ -122,6 +128,21 @@ class ServerConfig(BaseSettings):
         memory_trim_interval_s: ``malloc_trim(0)`` once the process is quiet after work, and
             at most this often while it is busy, seconds (0: never). All three are no-ops
             without glibc or with another allocator preloaded.
+        state_dir: Where the Batch API keeps its files and its job store (SQLite), so jobs
+            resume after a restart. None: ``.gpuserve-state`` beside the model repository
+            when its parent folder is writable (and it is not the embedded repository), else
+            the user's data directory (``$XDG_DATA_HOME/gpuserve/state``, by default
+            ``~/.local/share/gpuserve/state``). Created when the Batch API is first used.
+        batch_max_file_bytes: Largest file ``POST /v1/files`` accepts, bytes (413 beyond;
+            the request body limit ``max_request_body_bytes`` applies first).
+        batch_max_lines: Most lines (requests) in one uploaded batch file (413 beyond).
+        batch_concurrent_lines: Batch lines in flight at once, all batches together (each
+            line is one call to its endpoint).
+        batch_file_ttl_s: Seconds a stored file (upload, batch output or errors) is kept
+            before it expires and is deleted (never while an unfinished batch reads it); a
+            finished batch's record is kept as long after it ended.
+        batch_max_storage_bytes: Most bytes the state directory's files may hold; an upload
+            past it is refused with 413 (0: no limit but expiry).
     """
 
     model_config = SettingsConfigDict(env_prefix="GPUSERVE_", extra="ignore")
@@ -152,6 +173,7 @@ class ServerConfig(BaseSettings):
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_tensor_elements: int = Field(default=64 * 1024 * 1024, ge=1)
     max_bytes_element_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    max_inputs_per_call: int = Field(default=2048, ge=1, le=1_000_000)
     http_keep_alive_timeout_s: float = Field(default=75.0, ge=0)
     load_on_demand: bool = False
     max_loaded_models: int = Field(default=0, ge=0)
@@ -169,6 +191,12 @@ class ServerConfig(BaseSettings):
     malloc_arena_max: int = Field(default=0, ge=0)
     malloc_mmap_threshold_bytes: int = Field(default=0, ge=0)
     memory_trim_interval_s: float = Field(default=5.0, ge=0)
+    state_dir: Path | None = None
+    batch_max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    batch_max_lines: int = Field(default=50_000, ge=1)
+    batch_concurrent_lines: int = Field(default=8, ge=1, le=4096)
+    batch_file_ttl_s: float = Field(default=30 * 24 * 3600.0, gt=0)
+    batch_max_storage_bytes: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _tls_pair(self) -> ServerConfig:

@@ -33,6 +33,12 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   in ``max_batch_tokens``; a batch that can take no more is sent at once (see
   :mod:`gpuserve.engine.lengths`). The leader is still the oldest request of the highest level,
   so a long request never waits behind shorter ones that arrived later.
+* **Two lanes**: requests marked bulk wait in a level of their own below every priority
+  level, with their own queue limit (``bulk_max_queue_size``). A batch is led by an
+  interactive request whenever one is queued, and bulk rows fill the rest of its row and
+  token budget; a batch led by a bulk request forms only for an instance with nothing in
+  flight (the core sets :attr:`DynamicBatcher.bulk_may_lead`), so a bulk backlog never holds
+  an interactive request back by more than the one batch running when it arrives.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -68,9 +74,15 @@ class Batcher(Protocol):
 
     max_queue_delay_s: float
     row_cap: int | None
+    #: Whether a batch may be led by a bulk request now (an idle instance takes it).
+    bulk_may_lead: bool
 
     def __len__(self) -> int:
         """Requests queued."""
+        ...
+
+    def lane_queued(self) -> tuple[int, int]:
+        """Rows queued in each lane: (interactive, bulk)."""
         ...
 
     @property
@@ -138,14 +150,17 @@ class DynamicBatcher:
             batch, whatever its size).
         max_queue_delay_s: Longest the leading request waits for company, seconds.
         preferred_batch_sizes: Row counts that are sent without waiting.
-        max_queue_size: Most queued requests; ``add`` raises OverloadedError beyond it.
-        priority_levels: Number of levels; level 1 is served first.
+        max_queue_size: Most queued interactive requests; ``add`` raises OverloadedError
+            beyond it.
+        priority_levels: Number of levels; level 1 is served first. Bulk requests
+            (``priority`` :attr:`bulk_level`) wait in one more level below them.
         early_dispatch: Also send a batch, before the delay runs out, once as many rows are
             queued as the previous batch carried.
         max_batch_tokens: Most padded tokens (rows x longest row) in a batch of requests that
             carry costs; None = no token budget (rows only).
         unpadded: The model runs batches without padding: requests with costs join in
             arrival order whatever their lengths and the budget counts real tokens.
+        bulk_max_queue_size: Most queued bulk requests.
     """
 
     @classmethod
@@ -165,6 +180,7 @@ class DynamicBatcher:
             early_dispatch=db.early_dispatch,
             max_batch_tokens=max_batch_tokens,
             unpadded=unpadded,
+            bulk_max_queue_size=db.bulk_max_queue_size,
         )
 
     def __init__(
@@ -177,6 +193,7 @@ class DynamicBatcher:
         early_dispatch: bool = False,
         max_batch_tokens: int | None = None,
         unpadded: bool = False,
+        bulk_max_queue_size: int = 4096,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -191,9 +208,16 @@ class DynamicBatcher:
         self._regather_rows = 0
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
-        self._levels: list[deque[Pending]] = [deque() for _ in range(priority_levels)]
+        # the priority levels, then the bulk lane's level
+        self._levels: list[deque[Pending]] = [deque() for _ in range(priority_levels + 1)]
+        #: The level of bulk requests (below every priority level).
+        self.bulk_level = priority_levels + 1
+        self.bulk_max_queue_size = bulk_max_queue_size
+        self.bulk_may_lead = True
         self._size = 0
         self._rows = 0
+        self._bulk_size = 0
+        self._bulk_rows = 0
         self._deadlines: list[tuple[float, int, Pending]] = []
         self._seq = itertools.count()
         self._cancelled: list[Pending] = []
@@ -207,6 +231,10 @@ class DynamicBatcher:
         """Sum of the rows of the queued requests."""
         return self._rows
 
+    def lane_queued(self) -> tuple[int, int]:
+        """Rows queued in each lane: (interactive, bulk)."""
+        return self._rows - self._bulk_rows, self._bulk_rows
+
     def add(self, item: Pending) -> None:
         """Queue ``item``.
 
@@ -215,7 +243,14 @@ class DynamicBatcher:
             ValueError: the item's rows exceed ``max_batch_size`` or its priority is unknown
                 (the protocol layer refuses such requests before they get here).
         """
-        if self._size >= self.max_queue_size:
+        bulk = item.priority == self.bulk_level
+        if bulk and self._bulk_size >= self.bulk_max_queue_size:
+            raise OverloadedError(
+                f"bulk queue of model '{item.request.model_name}' is full "
+                f"({self.bulk_max_queue_size} requests waiting, "
+                "dynamic_batching.bulk_max_queue_size); retry later"
+            )
+        if not bulk and self._size - self._bulk_size >= self.max_queue_size:
             raise OverloadedError(
                 f"queue of model '{item.request.model_name}' is full "
                 f"({self.max_queue_size} requests waiting); retry later"
@@ -228,6 +263,9 @@ class DynamicBatcher:
         item.queued = True
         self._size += 1
         self._rows += item.rows
+        if bulk:
+            self._bulk_size += 1
+            self._bulk_rows += item.rows
         if item.deadline_s is not None:
             heapq.heappush(self._deadlines, (item.deadline_s, next(self._seq), item))
 
@@ -243,9 +281,15 @@ class DynamicBatcher:
         item.queued = False
         self._size -= 1
         self._rows -= item.rows
+        if item.priority == self.bulk_level:
+            self._bulk_size -= 1
+            self._bulk_rows -= item.rows
 
     def _head(self) -> Pending | None:
-        for level in self._levels:
+        """The request that leads the next batch: the oldest of the highest level; a bulk
+        one only while :attr:`bulk_may_lead`."""
+        levels = self._levels if self.bulk_may_lead else self._levels[:-1]
+        for level in levels:
             while level and _gone(level[0]):
                 self._drop(level.popleft())
             if level:
@@ -471,6 +515,6 @@ class DynamicBatcher:
             level.clear()
         for item in items:
             item.queued = False
-        self._size = self._rows = 0
+        self._size = self._rows = self._bulk_size = self._bulk_rows = 0
         self._deadlines.clear()
         return items

@@ -132,7 +132,16 @@ class Outcomes:
                 )
                 reason = None
             record_request(
-                RequestStats(name, version, item.rows, queue_s, compute_s, total_s, reason)
+                RequestStats(
+                    name,
+                    version,
+                    item.rows,
+                    queue_s,
+                    compute_s,
+                    total_s,
+                    reason,
+                    item.request.lane,
+                )
             )
 
     def failed(
@@ -146,7 +155,14 @@ class Outcomes:
         total_s = now - item.arrival_s
         self.stats.record_request(
             RequestStats(
-                self.name, self.version, item.rows, queue_s, compute_s, total_s, error.reason
+                self.name,
+                self.version,
+                item.rows,
+                queue_s,
+                compute_s,
+                total_s,
+                error.reason,
+                item.request.lane,
             )
         )
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
+
+#: The two lanes of a model's queue (see :attr:`InferenceRequest.lane`).
+Lane = Literal["interactive", "bulk"]
+LANES: tuple[Lane, ...] = ("interactive", "bulk")
 
 if TYPE_CHECKING:
     from gpuserve.engine.generate.messages import GenerationInput
@@ -94,6 +98,8 @@ class InferenceRequest:
         cost: Lengths per row from the model's admission step, or None when the model
             declares none (every row then counts as one unit).
         trace: The request's trace when tracing sampled it, else None.
+        lane: ``interactive`` (default) or ``bulk``: a bulk request takes only the capacity
+            interactive traffic leaves (see :mod:`gpuserve.engine.batcher`).
         generation: What a typed generation API (OpenAI's completions and chat) asked a
             generative model for, in place of ``inputs``; None for tensor requests.
         awaited_until: Monotonic time (s) after which its caller no longer waits for the
@@ -115,6 +121,7 @@ class InferenceRequest:
     trace: RequestTrace | None = None
     awaited_until: float | None = None
     generation: GenerationInput | None = None
+    lane: Lane = "interactive"
 
 
 @dataclass(slots=True)

@@ -153,6 +153,9 @@ class SchedulerCore(Generic[W]):
         self._retry: deque[Batch] = deque()
         self._in_flight: InFlightTable[W] = InFlightTable(self.execution_timeout_s)
         self._nothing: Schedule[W] = Schedule(_NO_DISPATCH, _NONE)  # returned when nothing happens
+        #: The batcher's level of bulk requests (0: the batcher has no bulk lane).
+        batcher = self.batcher
+        self._bulk_level = batcher.bulk_level if isinstance(batcher, DynamicBatcher) else 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -202,6 +205,8 @@ class SchedulerCore(Generic[W]):
             priority = priority_level(self.config, self.name, request.priority)
         except InvalidInputError as err:
             raise self._outcomes.refused(err) from None
+        if request.lane == "bulk" and self._bulk_level:
+            priority = self._bulk_level
         timeout_us = request.timeout_us or self._default_timeout_us
         if self.reshape is not None:  # the model's shapes from here on (engine/reshape.py)
             try:
@@ -302,6 +307,7 @@ class SchedulerCore(Generic[W]):
             else:
                 if adaptive is not None:
                     adaptive.apply(batcher)
+                batcher.bulk_may_lead = instance.in_flight == 0  # bulk only onto an idle one
                 formed = batcher.next_batch(now)
                 if formed is None:
                     break
@@ -331,9 +337,11 @@ class SchedulerCore(Generic[W]):
         without an arrival or a completion, seconds, or None: the leading request's queue
         delay (or the regather window), the earliest request deadline, and the earliest
         watchdog deadline. ``now`` when retry halves wait and an instance has room."""
-        free = self._free_instance() is not None
+        instance = self._free_instance()
+        free = instance is not None
         if free and self._retry:
             return now
+        self.batcher.bulk_may_lead = instance is not None and instance.in_flight == 0
         wake = self.batcher.next_wakeup(free)
         if self.execution_timeout_s is None:
             return wake

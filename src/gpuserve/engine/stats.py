@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gpuserve.engine.request import Lane
     from gpuserve.engine.response_stats import ResponseStats
 
 
@@ -71,6 +72,7 @@ class RequestStats:
         compute_s: Its batch's execution time, seconds (0 if it never ran).
         total_s: Admission to its answer, seconds.
         reason: None on success, else the error's ``reason`` (``timeout``, ``cancelled``...).
+        lane: The lane of the queue it waited in: ``interactive`` or ``bulk``.
     """
 
     model: str
@@ -80,6 +82,7 @@ class RequestStats:
     compute_s: float
     total_s: float
     reason: str | None
+    lane: Lane = "interactive"
 
 
 @dataclass(slots=True)

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from gpuserve.engine.runners.base import VersionRunner
 
 
+_LANE = ("model", "version", "lane")
+
+
 class SchedulerCollector(Collector):
     """``gpuserve_queue_depth`` and ``gpuserve_inflight_requests`` per model and version.
 
@@ -33,6 +36,7 @@ class SchedulerCollector(Collector):
         return [
             GaugeMetricFamily("gpuserve_queue_depth", "", labels=("model", "version")),
             GaugeMetricFamily("gpuserve_inflight_requests", "", labels=("model", "version")),
+            GaugeMetricFamily("gpuserve_lane_queued_rows", "", labels=_LANE),
         ]
 
     def collect(self) -> Iterator[Metric]:
@@ -47,18 +51,28 @@ class SchedulerCollector(Collector):
             "(read at scrape time).",
             labels=("model", "version"),
         )
+        lane_queued = GaugeMetricFamily(
+            "gpuserve_lane_queued_rows",
+            "Rows waiting in each lane of the model's queue (interactive, bulk).",
+            labels=_LANE,
+        )
         for _ in range(3):  # a version loading mid-scrape changes the dicts; try again
             try:
+                runners = list(self.schedulers())
                 rows = [
-                    (s.name, s.version, s.queued, s.in_flight_requests) for s in self.schedulers()
+                    (s.name, s.version, s.queued, s.in_flight_requests, s.lane_queued())
+                    for s in runners
                 ]
                 break
             except RuntimeError:
                 continue
         else:
             rows = []
-        for name, version, queued, admitted in rows:
+        for name, version, queued, admitted, lanes in rows:
             depth.add_metric((name, version), queued)
             inflight.add_metric((name, version), admitted)
+            for lane, waiting in zip(("interactive", "bulk"), lanes, strict=True):
+                lane_queued.add_metric((name, version, lane), waiting)
         yield depth
         yield inflight
+        yield lane_queued

@@ -12,7 +12,8 @@ fine).
 The exposition is the same as ``prometheus_client``'s: a counter ``NAME`` is sampled as
 ``NAME_total``; a histogram as ``NAME_bucket{le}`` (cumulative), ``NAME_count`` and
 ``NAME_sum``; children appear once created by :meth:`LoopCounter.labels` /
-:meth:`LoopHistogram.labels`.
+:meth:`LoopHistogram.labels`, and leave with :meth:`~_Family.remove` (the series of a version
+that unloaded, or of a model that left the repository).
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ class _Family(Collector, Generic[Child]):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
             child = self._children[values] = self._new_child()
         return child
+
+    def remove(self, *prefix: str) -> int:
+        """Drop every child whose first label values are ``prefix`` (a model, or a model and
+        a version) so they leave the exposition; returns how many went. Call from the
+        writing thread only (a scrape reads a copy of the children)."""
+        n = len(prefix)
+        gone = [values for values in list(self._children) if values[:n] == prefix]
+        for values in gone:
+            self._children.pop(values, None)
+        return len(gone)
 
 
 class LoopCounter(_Family[CounterChild]):

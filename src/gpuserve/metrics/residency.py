@@ -24,7 +24,9 @@ gpuserve_model_memory_bytes{model,device}   gauge      memory a loaded model gai
 ==========================================  =========  ====================================
 
 The counters are fed by the repository's :class:`~gpuserve.repository.ondemand.ResidencyEvent`
-listener; the gauges are read from the model manager at scrape time.
+listener (on the event loop, so they are :mod:`~gpuserve.metrics.loop_series` families); the
+gauges are read from the model manager at scrape time. A model's series stay while it is in
+the repository (an evicted model keeps its counts) and go when it leaves.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gpuserve.metrics.loop_series import LoopCounter, LoopHistogram
 
 if TYPE_CHECKING:
     from gpuserve.repository.manager import ModelManager
@@ -55,33 +59,37 @@ class ResidencySeries:
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.loads = Counter(
+        self.loads = LoopCounter(
             "gpuserve_model_loads",
             "Models loaded on demand (at a request), by outcome (success|failure).",
             ("model", "outcome"),
-            registry=registry,
+            registry,
         )
-        self.refusals = Counter(
+        self.refusals = LoopCounter(
             "gpuserve_model_load_refusals",
             "Loads on demand refused at once, with no attempt (reason backoff: the last "
             "load failed and its back-off lasts; no_room: pinned models leave no room).",
             ("model", "reason"),
-            registry=registry,
+            registry,
         )
-        self.evictions = Counter(
+        self.evictions = LoopCounter(
             "gpuserve_model_evictions",
             "Models unloaded to make room (reason lru: model count limit, memory: memory "
             "limit) or after their idle time (idle).",
             ("model", "reason"),
-            registry=registry,
+            registry,
         )
-        self.load_seconds = Histogram(
+        self.load_seconds = LoopHistogram(
             "gpuserve_model_load_seconds",
             "Load and warm-up time of models loaded on demand.",
             ("model",),
-            buckets=LOAD_BUCKETS_S,
-            registry=registry,
+            LOAD_BUCKETS_S,
+            registry,
         )
+
+    def families(self) -> tuple[LoopCounter | LoopHistogram, ...]:
+        """Every family, each labelled ``model`` first."""
+        return (self.loads, self.refusals, self.evictions, self.load_seconds)
 
     def on_event(self, event: ResidencyEvent) -> None:
         """Count one load or eviction."""

@@ -39,7 +39,10 @@ number of series bounded, a model name that is not in the repository, and a vers
 model does not have, are both labelled ``_unknown``.
 
 Counters live here, not in the engine's :class:`~gpuserve.engine.stats.ModelStats`, so they
-never go backwards within one process, even when a version is unloaded and loaded again.
+never go backwards within one process while the model is in the repository, a version
+unloaded and loaded again included. Every series of a model leaves ``/metrics`` when the model
+leaves the repository (:meth:`ServerMetrics.model_removed`), so the exposition stays bounded
+by what the repository holds, however many models come and go.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class _VersionSeries:
         "batch_tokens",
         "batches",
         "failures",
+        "lanes",
         "owner",
         "padding",
         "queue",
@@ -157,6 +161,15 @@ class _VersionSeries:
         self.batch_size = owner.batch_size.labels(model, version)
         self.batch_tokens = owner.batch_tokens.labels(model, version)
         self.padding = owner.padding_ratio.labels(model, version)
+        #: lane -> (requests, rows, queue seconds) children
+        self.lanes = {
+            lane: (
+                owner.lane_requests.labels(model, version, lane),
+                owner.lane_rows.labels(model, version, lane),
+                owner.lane_queue.labels(model, version, lane),
+            )
+            for lane in ("interactive", "bulk")
+        }
 
     def failure(self, model: str, version: str, reason: str) -> CounterChild:
         child = self.failures.get(reason)
@@ -211,6 +224,19 @@ class ServerMetrics:
         )
         self.batches = LoopCounter(
             "gpuserve_batches", "Batches executed by the model's instances.", _MV, r
+        )
+        lane = (*_MV, "lane")
+        self.lane_requests = LoopCounter(
+            "gpuserve_lane_requests", "Requests finished, by lane (interactive, bulk).", lane, r
+        )
+        self.lane_rows = LoopCounter(
+            "gpuserve_lane_rows", "Rows of the successful requests, by lane.", lane, r
+        )
+        self.lane_queue = LoopCounter(
+            "gpuserve_lane_queue_seconds",
+            "Seconds the finished requests waited in the queue, summed, by lane.",
+            lane,
+            r,
         )
         self.request_duration = LoopHistogram(
             "gpuserve_request_duration_seconds",
@@ -290,6 +316,52 @@ class ServerMetrics:
         if model_version.runner is not None:
             self.watch(model_version.runner)
 
+    def version_stopped(self, model_version: Any, runner: VersionRunner) -> None:
+        """:class:`~gpuserve.repository.manager.ModelManager` hook: ``runner``, the runner of
+        ``model_version``, stopped (the version unloaded, was replaced, or loaded for a
+        change that did not happen). Its events stop counting; its series stay while the
+        model is in the repository, so a version unloaded and loaded again counts on from
+        where it was (they leave with the model: :meth:`model_removed`)."""
+        if self.on_event in runner.stats.listeners:
+            runner.stats.listeners.remove(self.on_event)
+
+    def model_removed(self, name: str) -> None:
+        """:class:`~gpuserve.repository.manager.ModelManager` hook: model ``name`` left the
+        repository. Every series labelled with it leaves ``/metrics`` (its load on demand
+        and eviction counters, and those of its versions and of requests that named no
+        loaded version)."""
+        self.forget(name)
+        for family in self.residency.families():
+            family.remove(name)
+
+    def forget(self, model: str, version: str | None = None) -> None:
+        """Drop the request and batch series of ``model`` (of one ``version`` only, when
+        given): they leave the exposition, and counting starts from zero if it comes back.
+        A model or version that is not loaded keeps no series, so ``/metrics`` stays bounded
+        by what the repository holds, however many names and versions come and go."""
+        prefix = (model,) if version is None else (model, version)
+        for key in [k for k in self._series if k[: len(prefix)] == prefix]:
+            del self._series[key]
+        for family in self._families():
+            family.remove(*prefix)
+
+    def _families(self) -> tuple[LoopCounter | LoopHistogram, ...]:
+        """The families labelled ``model`` and ``version`` first."""
+        return (
+            self.requests,
+            self.rows,
+            self.batches,
+            self.lane_requests,
+            self.lane_rows,
+            self.lane_queue,
+            self.request_duration,
+            self.queue_duration,
+            self.compute_duration,
+            self.batch_size,
+            self.batch_tokens,
+            self.padding_ratio,
+        )
+
     def on_residency(self, event: ResidencyEvent) -> None:
         """:class:`~gpuserve.repository.ondemand.OnDemand` hook: a model loaded on demand or
         was evicted."""
@@ -308,9 +380,13 @@ class ServerMetrics:
         """Stats listener: count one finished request or one executed batch."""
         series = self._version_series(event.model, event.version)
         if isinstance(event, RequestStats):
+            requests, rows, queued = series.lanes[event.lane]
+            requests.inc()
+            queued.inc(event.queue_s)
             if event.reason is None:
                 series.success.inc()
                 series.rows.inc(event.rows)
+                rows.inc(event.rows)
                 series.request.observe(event.total_s)
                 series.queue.observe(event.queue_s)
             else:

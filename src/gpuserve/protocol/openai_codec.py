@@ -12,9 +12,11 @@ Policies:
 
 * ``input`` is one string, a list of strings, one token-id array (a list of integers) or a
   list of them; an empty list, an empty string or array, a list mixing kinds and an element of
-  another type are refused (400, ``param: input``). At most :data:`MAX_INPUTS` inputs (as
-  OpenAI); more is 413. Texts are checked against ``max_bytes_element_bytes`` here, with the
-  index the client sent.
+  another type are refused (400, ``param: input``). At most the server's
+  ``max_inputs_per_call`` inputs (by default :data:`MAX_INPUTS`, OpenAI's limit); more is 413
+  (:meth:`~gpuserve.protocol.limits.RequestLimits.check_inputs`, the check of every
+  embeddings and retrieval route). Texts are checked against ``max_bytes_element_bytes``
+  here, with the index the client sent.
 * Unknown keys are ignored (as for V2 bodies); known keys with the wrong type are refused.
 * ``user`` picks the version when the model has a canary (the same user always lands on the
   same side); without it a call goes at random. One call is never split across versions.
@@ -40,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from gpuserve.engine.request import InferenceRequest
+from gpuserve.errors import TooManyInputsError as TooManyInputsError  # re-exported
+from gpuserve.protocol.limits import DEFAULT_MAX_INPUTS_PER_CALL, RequestLimits
 from gpuserve.protocol.shapes import described, json_type, show, validate_request_shapes
 from gpuserve.protocol.tensors import build_input
 from gpuserve.service.embeddings import (
@@ -51,16 +55,14 @@ from gpuserve.service.embeddings import (
 
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig
-    from gpuserve.protocol.limits import RequestLimits
 
-#: Most inputs in one call (OpenAI's limit).
-MAX_INPUTS = 2048
+#: Most inputs in one call unless the server sets ``max_inputs_per_call`` (OpenAI's limit).
+MAX_INPUTS = DEFAULT_MAX_INPUTS_PER_CALL
+
+#: Limits of a body parsed without the server's (tests, tools).
+_DEFAULT_LIMITS = RequestLimits(2**62, 2**62)
 
 EncodingFormat = Literal["float", "base64"]
-
-
-class TooManyInputsError(EmbeddingInputError):
-    """More than :data:`MAX_INPUTS` inputs in one call (HTTP 413)."""
 
 
 @dataclass(slots=True)
@@ -154,9 +156,11 @@ class EmbeddingsWire:
         else:
             name = spec.token_ids_input
             if name is None:
+                # LangChain's OpenAIEmbeddings sends tiktoken's ids by default: say what to set.
                 raise EmbeddingInputError(
                     f"model '{model_name}' takes text, not token ids: send 'input' as a string "
-                    "or a list of strings",
+                    "or a list of strings (LangChain's OpenAIEmbeddings: set "
+                    "check_embedding_ctx_length=False)",
                     "input",
                 )
             ids = body.token_ids or []
@@ -209,7 +213,7 @@ def parse_embeddings(
 
     Raises:
         EmbeddingInputError: names the field (``param``) and the value received.
-        TooManyInputsError: more than :data:`MAX_INPUTS` inputs.
+        TooManyInputsError: more than ``limits.max_inputs_per_call`` inputs (413).
     """
     model = document.get("model")
     if type(model) is not str or not model:
@@ -253,12 +257,7 @@ def _inputs(
         )
     if not value:
         raise EmbeddingInputError("'input' is empty: send at least one string", "input")
-    if len(value) > MAX_INPUTS:
-        raise TooManyInputsError(
-            f"'input' has {len(value)} items, more than the {MAX_INPUTS} allowed in one "
-            "request: split it",
-            "input",
-        )
+    (limits or _DEFAULT_LIMITS).check_inputs("input", len(value))
     kinds = set(map(type, value))
     if kinds == {str}:
         _check_texts(value, limits)

@@ -5,9 +5,11 @@ into typed calls and their answers encoded.
 Field names and answers follow text-embeddings-inference's OpenAPI document and Cohere's
 rerank API; each parser refuses a bad body with a :class:`RetrievalInputError` naming the
 field and what it takes (``empty`` for an empty input: TEI answers those 400, other
-validation errors 413). A ``parameters`` object (what ``huggingface_hub``'s
-``InferenceClient`` sends) supplies the fields the body leaves out. Every TEI body may name
-its ``model`` (gpuserve's addition; without it, the first model serving the kind).
+validation errors 413). How many rows one call may carry is checked by the API, against the
+server's and the model's caps (:meth:`~gpuserve.protocol.limits.RequestLimits.check_inputs`).
+A ``parameters`` object (what ``huggingface_hub``'s ``InferenceClient`` sends) supplies the
+fields the body leaves out. Every TEI body may name its ``model`` (gpuserve's addition;
+without it, the first model serving the kind).
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import numpy as np
 import orjson
 
 from gpuserve.errors import InvalidInputError
-
-#: Most rows (texts, documents) one call may carry before the model's own limit applies.
-MAX_ROWS = 100_000
 
 
 class RetrievalInputError(InvalidInputError):
@@ -94,13 +93,7 @@ def _texts(document: dict[str, Any], name: str) -> list[str]:
         raise RetrievalInputError(f"'{name}' must be a string or a list of strings", name)
     if not value:
         raise RetrievalInputError(f"'{name}' is empty: send at least one text", name, empty=True)
-    _bound(len(value), name)
     return value
-
-
-def _bound(count: int, name: str) -> None:
-    if count > MAX_ROWS:
-        raise RetrievalInputError(f"'{name}' has {count} items, more than {MAX_ROWS}", name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +136,6 @@ def parse_tei_rerank(document: dict[str, Any]) -> RerankCall:
         raise RetrievalInputError("'texts' is required: a list of strings", "texts")
     if not texts:
         raise RetrievalInputError("'texts' is empty: send at least one text", "texts", True)
-    _bound(len(texts), "texts")
     _direction(document)
     return RerankCall(
         model=_model(document),
@@ -183,7 +175,6 @@ def parse_cohere_rerank(document: dict[str, Any]) -> RerankCall:
         )
     if not docs:
         raise RetrievalInputError("'documents' is empty: send at least one", "documents", True)
-    _bound(len(docs), "documents")
     texts: list[str] = []
     objects: list[Any] | None = None
     for index, doc in enumerate(docs):
@@ -258,7 +249,6 @@ def parse_predict(document: dict[str, Any]) -> PredictCall:
     elif isinstance(value, list):
         if not value:
             raise RetrievalInputError("'inputs' is empty: send at least one text", "inputs", True)
-        _bound(len(value), "inputs")
         parsed = [_sequence(v) for v in value]
         if any(p is None for p in parsed):
             raise RetrievalInputError(

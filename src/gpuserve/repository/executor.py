@@ -20,6 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.repository.devices import release_device_memory
 from gpuserve.repository.loading import stop_version
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: Loads and warms up one version, marking it READY or failed (raises no Exception).
 LoadFn = Callable[[ModelVersion], Awaitable[None]]
+#: Told of each version whose runner stopped (drained and closed), with that runner.
+StoppedFn = Callable[[ModelVersion, VersionRunner], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,8 @@ class Executor:
         closing: Whether the server is shutting down (nothing switches then).
         unload_timeout_s: The drain time of a version that leaves, seconds (read per drain).
         retry: When a failed version is tried again by a poll (default back-off).
+        stopped: Called with each version whose runner stopped, and that runner (the
+            manager's stop listeners: the metrics layer drops the version's series).
 
     Attributes:
         retry: The :class:`RetryBackoff` in use (tests give it a fake clock).
@@ -86,11 +91,21 @@ class Executor:
         closing: Callable[[], bool],
         unload_timeout_s: Callable[[], float],
         retry: RetryBackoff | None = None,
+        stopped: StoppedFn | None = None,
     ) -> None:
         self._load = load
         self._closing = closing
         self._unload_timeout_s = unload_timeout_s
         self.retry = retry if retry is not None else RetryBackoff()
+        self._stopped = stopped
+
+    async def _stop(self, mv: ModelVersion, timeout_s: float) -> None:
+        """Drain and stop ``mv`` (see :func:`~gpuserve.repository.loading.stop_version`),
+        then tell the ``stopped`` hook."""
+        runner = mv.runner
+        await stop_version(mv, timeout_s)
+        if runner is not None and self._stopped is not None:
+            self._stopped(mv, runner)
 
     async def reconcile(self, model: Model, entry: ModelEntry, change: Change) -> dict[int, str]:
         """Bring ``model`` in line with ``entry`` and its routing settings (steps 1-4 of
@@ -270,7 +285,7 @@ class Executor:
         if not retiring:
             return
         timeout_s = self._unload_timeout_s()
-        await asyncio.gather(*(stop_version(mv, timeout_s) for mv in retiring))
+        await asyncio.gather(*(self._stop(mv, timeout_s) for mv in retiring))
         for mv in retiring:
             if model.versions.get(mv.version) is mv:
                 del model.versions[mv.version]
@@ -282,7 +297,7 @@ class Executor:
         the route) and take them out of the loaded set."""
         for mv in list(versions):
             mv.state = VersionState.UNLOADING
-            await stop_version(mv, 0.0)
+            await self._stop(mv, 0.0)
             if model.versions.get(mv.version) is mv:
                 del model.versions[mv.version]
 

@@ -13,7 +13,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from gpuserve.backends import backend_for
+from gpuserve.backends import backend_for, complete_for_version
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.completion import require_declared
 from gpuserve.engine.admission import AdmissionPool
@@ -53,11 +53,11 @@ async def load_version(
     try:
         # The backend completes the config from this version's model file (or checks it
         # against it) before anything is built, so the runner, the protocol and the
-        # config endpoints all see the completed config.
-        backend = backend_for(mv.config)
+        # config endpoints all see the completed config (a huggingface task read from
+        # the folder, the sections checked against the tensors the model has).
         if not auto_complete:  # Triton's strict model config: nothing is filled in
             require_declared(mv.config, mv.path)
-        complete = functools.partial(backend.complete_config, auto_complete=auto_complete)
+        complete = functools.partial(complete_for_version, auto_complete=auto_complete)
         mv.config = await loop.run_in_executor(None, complete, mv.config, mv.path)
         for index, device in enumerate(instance_devices(mv.config)):
             instances.append(

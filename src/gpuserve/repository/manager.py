@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from gpuserve.config import ServerConfig
 from gpuserve.engine.admission import AdmissionPool
+from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ConfigError, InvalidInputError
 from gpuserve.repository import rollout
 from gpuserve.repository.ensemble_loading import load_ensemble
@@ -104,14 +105,23 @@ class ModelManager(Router):
         #: Called (on the event loop) with each version that is about to turn READY, before
         #: any request can reach it: the metrics layer subscribes to its stats here.
         self.version_listeners: list[Callable[[ModelVersion], None]] = []
+        #: Called (on the event loop) with each version whose runner has stopped (drained
+        #: and closed after an unload, a swap or a load that did not switch), and that
+        #: runner: the metrics layer drops the version's series here.
+        self.stop_listeners: list[Callable[[ModelVersion, VersionRunner], None]] = []
+        #: Called (on the event loop) with the name of each model that left the repository,
+        #: once its versions have unloaded: the metrics layer drops its series here.
+        self.removal_listeners: list[Callable[[str], None]] = []
         self._locks: dict[str, asyncio.Lock] = {}
         self._seen: dict[str, dict[int, Fingerprint]] = {}  # poll: fingerprints last scan
         self._poll_task: asyncio.Task[None] | None = None
+        self._logged_errors: dict[str, str] = {}  # why a model cannot load, as last logged
         # the hooks are looked up per call, so a test can wrap ``_load_version``
         self._executor = Executor(
             lambda mv: self._load_version(mv),
             lambda: self.shutting_down,
             lambda: self.unload_timeout_s,
+            stopped=self._version_stopped,
         )
         self.on_demand = OnDemand(
             self,
@@ -186,8 +196,19 @@ class ModelManager(Router):
             model.required = True
             if take_config(model, entry, reset=True):
                 await self._executor.reconcile(model, entry, Change(retry_failed=True))
-            if model.error:
-                logger.error("model %s cannot be loaded: %s", entry.name, model.error)
+            self._log_error(model)
+
+    def _log_error(self, model: Model) -> None:
+        """Log why ``model`` cannot be loaded (its configuration, its version folders), as
+        the initial load does, once per distinct reason: a poll finds the same one every
+        scan until the folder is fixed. (A version whose load fails logs its own error.)"""
+        error = model.error
+        if not error:
+            self._logged_errors.pop(model.name, None)
+            return
+        if self._logged_errors.get(model.name) != error:
+            logger.error("model %s cannot be loaded: %s", model.name, error)
+            self._logged_errors[model.name] = error
 
     async def _poll_loop(self) -> None:
         while not self.shutting_down:
@@ -210,23 +231,33 @@ class ModelManager(Router):
         entries = await loop.run_in_executor(None, scan_repository, self.repository)
         previous, self._seen = self._seen, _fingerprints(entries)
         names = {e.name for e in entries}
-        tasks = [self._poll_model(e, previous.get(e.name, {})) for e in entries]
+        tasks = [self._poll_model(e, previous.get(e.name)) for e in entries]
         tasks += [self._remove(name) for name in list(self.models) if name not in names]
         await asyncio.gather(*tasks)
 
-    async def _poll_model(self, entry: ModelEntry, previous: dict[int, Fingerprint]) -> None:
+    async def _poll_model(self, entry: ModelEntry, previous: dict[int, Fingerprint] | None) -> None:
+        """Apply one scan to one model; ``previous``: its version folders' fingerprints at
+        the scan before (None: it was not there)."""
+        seen = previous or {}
+        settled = {v for v, f in entry.folders.items() if seen.get(v) == f.fingerprint}
+        # what a half-copied folder shows is not worth an error: a model is judged once two
+        # scans in a row saw it the same
+        steady = previous is not None and settled == set(entry.folders)
         async with self._lock(entry.name):
             if self.shutting_down:
                 return
             model = self._register(entry)
             if not take_config(model, entry, reset=False):
+                if steady:  # a new model, or one not serving, with a bad config
+                    self._log_error(model)
                 return
             if self.on_demand.dormant(model):  # loads at its next request
                 return
-            settled = {v for v, f in entry.folders.items() if previous.get(v) == f.fingerprint}
             await self._executor.reconcile(
                 model, entry, Change(retry_failed=False, settled=settled)
             )
+            if steady:
+                self._log_error(model)
             if model.route.default is not None:
                 model.required = True
 
@@ -240,6 +271,12 @@ class ModelManager(Router):
             await self._executor.unload_all(model, "model removed from the repository")
             if self.models.get(name) is model:
                 del self.models[name]
+                self._logged_errors.pop(name, None)
+                for listener in self.removal_listeners:
+                    try:
+                        listener(name)
+                    except Exception:
+                        logger.exception("a model removal listener failed")
 
     async def close(self, drain_timeout_s: float = 30.0) -> None:
         """Stop taking requests, drain every version (up to the timeout, seconds), unload."""
@@ -306,9 +343,17 @@ class ModelManager(Router):
         """
         self._require_explicit("load")
         path = folder if folder is not None else self.repository / name
-        if path.is_dir():
-            # within --max-loaded-models / memory limits
-            await self.on_demand.make_room(name, path, config_override)
+        if not path.is_dir():  # answered by the read (no such model)
+            await self._load_explicit(name, path, config_override, folder)
+            return
+        # within --max-loaded-models / memory limits: room is made first, and the load
+        # holds its place until it ends, so loads on demand beside it cannot take it
+        async with self.on_demand.reserve(name, path, config_override):
+            await self._load_explicit(name, path, config_override, folder)
+
+    async def _load_explicit(
+        self, name: str, path: Path, config_override: dict[str, Any] | None, folder: Path | None
+    ) -> None:
         async with self._lock(name):
             loop = asyncio.get_running_loop()
             entry = await loop.run_in_executor(None, read_model, path, config_override)
@@ -464,6 +509,13 @@ class ModelManager(Router):
             model.source_config = entry.config
             self.models[entry.name] = model
         return model
+
+    def _version_stopped(self, mv: ModelVersion, runner: VersionRunner) -> None:
+        for listener in self.stop_listeners:
+            try:
+                listener(mv, runner)
+            except Exception:
+                logger.exception("a version stop listener failed")
 
     async def _load_version(self, mv: ModelVersion) -> None:
         if mv.config.ensemble is not None:  # steps run on other models' schedulers

@@ -14,7 +14,15 @@ manager:
   larger than the memory limit being served alone; if busy models stand in the way it waits
   for room until the last waiter's deadline, then fails with the reason. A failed load
   answers its waiters with the error and when the next attempt is due;
-* the idle loop unloads models with no request for their ``idle_unload_s``.
+* the idle loop unloads models with no request for their ``idle_unload_s``;
+* :meth:`OnDemand.reserve`: an explicit load (repository API) makes room first, then holds its
+  place until it ends, so loads on demand beside it cannot pass the limits.
+
+Loads race unloads (explicit, eviction, idle, a model removed): a load that ends holds the
+model's lock until the requests that waited for it are admitted (an unload waiting for the
+lock then drains them: they are served), and a request that finds the model unloaded again
+after its load waits for the next load, up to its deadline. A request for a model that loads
+on demand never meets a 503 just because an unload came first.
 
 Loads and evictions on demand run one at a time (one residency lock, taken before any
 model's lock), so the limits hold with loads in flight and each load's memory is measured
@@ -26,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from asyncio import FIRST_COMPLETED
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -51,6 +61,23 @@ logger = logging.getLogger(__name__)
 _ROOM_POLL_S = 0.02
 #: Longest sleep of the idle loop, seconds (models loaded meanwhile are seen then).
 _IDLE_POLL_MAX_S = 1.0
+#: Most event loop turns a finished load holds its model's lock for its waiters to be
+#: admitted (each needs two or three).
+_HANDOVER_TURNS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """One load on demand in progress, shared by the requests that wait for it.
+
+    Attributes:
+        task: The load (raises the error its waiters answer with).
+        served: Resolved under the model's lock once the model serves (the waiters are
+            admitted before an unload can take it out of the route again).
+    """
+
+    task: asyncio.Task[None]
+    served: asyncio.Future[None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +136,13 @@ class OnDemand:
         self.listeners: list[Callable[[ResidencyEvent], None]] = []
         self._lock = asyncio.Lock()
         self._waiting: Counter[str] = Counter()
-        self._loads: dict[str, asyncio.Task[None]] = {}
+        self._loads: dict[str, _Load] = {}
         self._deadlines: dict[str, float] = {}
         self._measured: dict[str, dict[str, int]] = {}
         self._blocked: dict[str, str] = {}  # why a waiting load has no room yet
+        # explicit loads in progress, and what each is expected to hold (see reserve)
+        self._reserved: Counter[str] = Counter()
+        self._reserved_need: dict[str, dict[str, int]] = {}
         self._idle_task: asyncio.Task[None] | None = None
         self._gpus: int | None = None  # visible GPUs, counted at the first estimate
 
@@ -159,21 +189,50 @@ class OnDemand:
         self._deadlines[name] = max(self._deadlines.get(name, 0.0), deadline)
         self._waiting[name] += 1
         try:
-            task = self._loads.get(name)
-            if task is None or task.done():
-                task = self._loads[name] = loop.create_task(self._load(name))
-                task.add_done_callback(_retrieve)
-            try:
-                await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                why = self._blocked.get(name) or self.manager.model_status(model)
-                raise ModelNotReadyError(
-                    f"model '{name}' is not ready: it did not load within {wait_s:g} s ({why})"
-                ) from None
+            while True:
+                load = self._loads.get(name)
+                if load is None or load.task.done():
+                    load = self._loads[name] = _Load(
+                        loop.create_task(self._load(name)), loop.create_future()
+                    )
+                    load.task.add_done_callback(_retrieve)
+                # the load's end, or (first) the moment it serves: the load then holds the
+                # model's lock until its waiters have been admitted, so an unload that waits
+                # for the lock drains them instead of refusing them
+                waits: set[asyncio.Future[None]] = {load.task}
+                if not load.served.done():
+                    waits.add(load.served)
+                done, _ = await asyncio.wait(
+                    waits, timeout=max(0.0, deadline - loop.time()), return_when=FIRST_COMPLETED
+                )
+                if not done:
+                    why = self._blocked.get(name) or self.manager.model_status(model)
+                    raise ModelNotReadyError(
+                        f"model '{name}' is not ready: it did not load within {wait_s:g} s ({why})"
+                    )
+                if load.task in done:
+                    load.task.result()  # a failed load answers with its error
+                if not self._unloaded_again(name, model):
+                    return
+                # an unload (explicit, eviction, idle) took it out of the route before this
+                # request's turn: it waits for the next load instead of meeting the
+                # unloading version
+                logger.debug("model %s was unloaded before its waiters ran: loading again", name)
         finally:
             self._waiting[name] -= 1
             if not self._waiting[name]:
                 del self._waiting[name]
+
+    def _unloaded_again(self, name: str, model: Model) -> bool:
+        """After a load of ``name`` ended without an error: whether the model serves nothing
+        again although a request may still load it (it is the same model, the server is not
+        shutting down), so the request must wait for another load."""
+        return (
+            self.manager.models.get(name) is model
+            and model.path is not None
+            and not self.manager.shutting_down
+            and self.cold(name)
+        )
 
     # -- loading and evicting ----------------------------------------------------------------
 
@@ -276,7 +335,10 @@ class OnDemand:
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with manager._lock(model.name):
-            if model.route.default is not None or model.path is None:
+            if model.route.default is not None:  # loaded meanwhile (an explicit load)
+                await self._hand_over(model.name)
+                return
+            if model.path is None:
                 return
             if not take_config(model, entry, reset=False):
                 logger.error("model %s cannot be loaded: %s", model.name, model.error)
@@ -314,6 +376,7 @@ class OnDemand:
                 self._measured[model.name] = dict(model.memory_bytes)
                 model.loaded_at_s = self.clock()
                 model.evicted = None
+                await self._hand_over(model.name)
         seconds = loop.time() - started
         logger.info(
             "model %s loaded on demand in %.2f s%s (memory %s; host RSS %d -> %d B)",
@@ -326,36 +389,61 @@ class OnDemand:
         )
         self._emit(ResidencyEvent("load", model.name, seconds=seconds, ok=ok))
 
-    async def make_room(
+    async def _hand_over(self, name: str) -> None:
+        """With ``name`` serving and its lock held: resolve its load's ``served`` future and
+        give the requests waiting for the load a few event loop turns to be admitted, so an
+        unload waiting for the lock drains them instead of refusing them."""
+        load = self._loads.get(name)
+        if load is not None and not load.served.done():
+            load.served.set_result(None)
+        for _ in range(_HANDOVER_TURNS):
+            if not self._waiting.get(name):
+                return
+            await asyncio.sleep(0)
+
+    @asynccontextmanager
+    async def reserve(
         self, name: str, path: Path | None = None, config_override: dict[str, Any] | None = None
-    ) -> None:
-        """Before an explicit load of ``name`` (repository API): unload least recently used
-        models until it fits the limits. Nothing when no limit is set or ``name`` is loaded
-        already (a reload replaces its own versions). ``path`` (the folder it loads from)
-        and ``config_override`` give its estimate before its first load.
+    ) -> AsyncIterator[None]:
+        """Around an explicit load of ``name`` (repository API): first unload least recently
+        used models until it fits the limits, then hold its place until the load ends. While
+        held it counts as loaded (busy, with its expected memory) for every other load, and
+        is never evicted, so loads on demand beside it cannot pass the limits. Nothing when
+        no limit is set; no room is made when ``name`` is loaded already (a reload replaces
+        its own versions). ``path`` (the folder it loads from) and ``config_override`` give
+        its estimate before its first load.
 
         Raises:
             ModelNotReadyError: nothing can be evicted (all pinned or busy): 503 naming why.
         """
         if not self.limits.limited:
+            yield
             return
         async with self._lock:
             model = self.manager.models.get(name)
-            if model is not None and (model.route.default is not None or model.versions):
-                return
-            entry = None
-            if path is not None and path.is_dir():
-                loop = asyncio.get_running_loop()
-                entry = await loop.run_in_executor(None, read_model, path, config_override)
-            need = self.expected_memory(name, entry)
-            room = residency.make_room(self.residents(), name, need, self.limits)
-            if room.blocked is not None:
-                self._emit(ResidencyEvent("refuse", name, reason=demand.NO_ROOM))
-                raise ModelNotReadyError(f"failed to load '{name}': {room.blocked}")
-            if room.alone:
-                logger.warning("%s", room.alone)
-            for victim in room.evict:
-                await self.evict(victim, room.reason, incoming=name)
+            if model is None or (model.route.default is None and not model.versions):
+                entry = None
+                if path is not None and path.is_dir():
+                    loop = asyncio.get_running_loop()
+                    entry = await loop.run_in_executor(None, read_model, path, config_override)
+                need = self.expected_memory(name, entry)
+                room = residency.make_room(self.residents(), name, need, self.limits)
+                if room.blocked is not None:
+                    self._emit(ResidencyEvent("refuse", name, reason=demand.NO_ROOM))
+                    raise ModelNotReadyError(f"failed to load '{name}': {room.blocked}")
+                if room.alone:
+                    logger.warning("%s", room.alone)
+                for victim in room.evict:
+                    await self.evict(victim, room.reason, incoming=name)
+                self._reserved_need[name] = need
+            self._reserved[name] += 1
+        try:
+            yield
+        finally:
+            self._reserved[name] -= 1
+            if not self._reserved[name]:
+                del self._reserved[name]
+                self._reserved_need.pop(name, None)
 
     async def _fit_after(self, name: str, *, warned: bool = False) -> None:
         """After a load measured more than expected: unload least recently used models until
@@ -420,7 +508,8 @@ class OnDemand:
 
     async def stop(self) -> None:
         """Stop the idle loop and the loads in progress."""
-        tasks = [t for t in (self._idle_task, *self._loads.values()) if t is not None]
+        loads = [load.task for load in self._loads.values()]
+        tasks = [t for t in (self._idle_task, *loads) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -451,7 +540,7 @@ class OnDemand:
         """Every model with a loaded or loading version, as the policy sees it."""
         rows = []
         for model in list(self.manager.models.values()):
-            if not model.versions:
+            if not model.versions and model.name not in self._reserved:
                 continue
             rows.append(
                 Resident(
@@ -460,10 +549,18 @@ class OnDemand:
                     busy=self._busy(model),
                     pinned=model.pinned
                     or (model.source_config is not None and model.source_config.pinned),
-                    memory_bytes=dict(model.memory_bytes),
+                    memory_bytes=dict(
+                        model.memory_bytes
+                        if model.versions
+                        else self._reserved_need.get(model.name, {})
+                    ),
                     idle_unload_s=self.idle_s(model),
                 )
             )
+        # an explicit load of a model the manager has not registered yet holds its place too
+        for name in self._reserved.keys() - self.manager.models.keys():
+            need = self._reserved_need.get(name, {})
+            rows.append(Resident(name, self.clock(), busy=True, memory_bytes=dict(need)))
         return rows
 
     def last_used_s(self, model: Model) -> float:
@@ -480,7 +577,11 @@ class OnDemand:
         return max(model.loaded_at_s, last_ms / 1000.0)
 
     def _busy(self, model: Model) -> bool:
-        if self._waiting.get(model.name) or self.manager._lock(model.name).locked():
+        if (
+            self._waiting.get(model.name)
+            or self._reserved.get(model.name)
+            or self.manager._lock(model.name).locked()
+        ):
             return True
         for mv in list(model.versions.values()):
             if mv.state is not VersionState.READY:

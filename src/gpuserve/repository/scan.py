@@ -341,11 +341,12 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
 
 
 def _check_complete_config(config: ModelConfig, version_path: Path) -> ModelConfig | list[str]:
-    """The config completed from the version's model file, or its problems."""
-    from gpuserve.backends import backend_for
+    """The config completed from the version's model file (the huggingface task read from
+    the folder, the sections checked), or its problems."""
+    from gpuserve.backends import complete_for_version
 
     try:
-        return backend_for(config).complete_config(config, version_path)
+        return complete_for_version(config, version_path)
     except ConfigError as err:
         return [err.message]
     except Exception as err:  # a model file the backend cannot read

@@ -27,6 +27,7 @@ from gpuserve.errors import ConfigError
 from gpuserve.metrics import MetricsHttpServer, ServerMetrics
 from gpuserve.repository.devices import freeze_loaded_objects
 from gpuserve.server import logs
+from gpuserve.server.batches import batch_api
 from gpuserve.server.grpc.server import GrpcServer
 from gpuserve.server.http.app import HttpApp
 from gpuserve.server.http.listener import HttpListener
@@ -104,6 +105,8 @@ class GpuServer:
             max_body_bytes=config.max_request_body_bytes,
             keep_alive_timeout_s=config.http_keep_alive_timeout_s,
         )
+        #: The Batch API's runner (``/v1/files``, ``/v1/batches``); starts after the load.
+        self.batches = batch_api(config, self.app, self.metrics)
         self._load_task: asyncio.Task[None] | None = None
         self.grpc: GrpcServer | None = None
         self.started = threading.Event()
@@ -213,6 +216,7 @@ class GpuServer:
         finally:
             freeze_loaded_objects()
             self.loaded.set()
+            self.batches.start()  # batch jobs run (and resume) once the models are loaded
 
     async def _close_listener(self) -> None:
         self.http.stop_accepting()
@@ -226,6 +230,8 @@ class GpuServer:
         )
         if self._load_task is not None and not self._load_task.done():
             await self._load_task
+        # batch lines in flight finish (their requests drained above); the rest resume later
+        await self.batches.close(0.0 if self._forced else self.config.shutdown_timeout_s)
         closing = [self.service.close(self.config.shutdown_timeout_s)]
         if self.grpc is not None:  # new gRPC calls are refused at once; running ones finish
             closing.append(self.grpc.stop(self.config.shutdown_timeout_s))
@@ -272,6 +278,7 @@ class GpuServer:
             self._exit_now()
             return
         self._stopping = True
+        self.batches.begin_stop()  # no batch line starts: running jobs resume after restart
         self.service.begin_shutdown()  # ready -> 503, new requests -> 503 at once
         self._stop_task = asyncio.get_running_loop().create_task(self._drain_then_exit())
 

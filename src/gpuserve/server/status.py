@@ -11,6 +11,7 @@ from gpuserve import errors
 #: error class -> (HTTP status, gRPC status code name)
 STATUS: dict[type[errors.GpuserveError], tuple[int, str]] = {
     errors.InvalidInputError: (400, "INVALID_ARGUMENT"),
+    errors.TooManyInputsError: (413, "INVALID_ARGUMENT"),
     errors.ModelNotFoundError: (404, "NOT_FOUND"),
     errors.ModelNotReadyError: (503, "UNAVAILABLE"),
     errors.OverloadedError: (429, "RESOURCE_EXHAUSTED"),

@@ -111,7 +111,12 @@ def embedding_spec(config: ModelConfig) -> EmbeddingSpec | None:
 def _resolve(config: ModelConfig) -> EmbeddingSpec | None:
     declared = config.embedding
     if declared is None:
-        if config.backend != "huggingface" or config.huggingface.task != FEATURE_EXTRACTION:
+        # A task left unset is read from the folder at load: until then (a model not
+        # loaded yet) it may well be feature extraction, the common case; loaded, it is set.
+        if config.backend != "huggingface" or config.huggingface.task not in (
+            None,
+            FEATURE_EXTRACTION,
+        ):
             return None
         text = config.inputs[0].name if config.inputs else TEXT_INPUT
         declared = EmbeddingConfig(text_input=text, output="EMBEDDING")

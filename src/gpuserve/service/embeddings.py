@@ -18,15 +18,20 @@ One call of N inputs is served as requests of the :class:`InferenceService`, nev
 3. each chunk is admitted with :meth:`InferenceService.admit` (resolve, canary split, decode
    against the routed version, shutdown refusal, all counted there) and queued with
    :meth:`InferenceService.submit`, so it joins the model's dynamic batcher with V2 traffic
-   and is counted as one request of that many rows. The first chunk is routed (a canary
-   takes it by a hash of the call's routing id); the rest are pinned to the version that took
-   it, so one answer never mixes versions;
+   and is counted as one request of that many rows; at most :data:`~gpuserve.service.chunks.
+   WINDOW` chunks of a call are queued or running at once (:mod:`gpuserve.service.chunks`),
+   so a long call's rows are interleaved with other clients' requests. The first chunk is
+   routed (a canary takes it by a hash of the call's routing id); the rest are pinned to the
+   version that took it, so one answer never mixes versions; each carries the client's
+   ``traceparent``;
 4. the token counts are computed while the chunks queue and run (below);
 5. the embeddings come back in input order, cut to ``dimensions`` (and re-normalised) when
    the model allows it.
 
-When one chunk is refused (queue full) or fails, the call fails with that error and its other
-chunks are dropped when their batch forms (they are not run for nobody).
+How many inputs one call may carry is the API's check, before this service is called
+(:meth:`~gpuserve.protocol.limits.RequestLimits.check_inputs`). When one chunk is refused
+(queue full) or fails, or the client goes away, the call fails: chunks not yet queued are
+never sent and queued ones are dropped when their batch forms (they are not run for nobody).
 
 Token counts (``usage.prompt_tokens``) are the model's own. A model with an admission step
 (:mod:`gpuserve.engine.admission`; the built-in text models) measured every chunk before it
@@ -54,6 +59,7 @@ import numpy as np
 
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.errors import BackendError, ConfigError, GpuserveError, ModelNotFoundError
+from gpuserve.service.chunks import WINDOW, CallState, serve_chunks
 from gpuserve.service.embedding_models import (
     COUNT_WORKERS,
     EmbeddingInputError,
@@ -200,37 +206,17 @@ def even_chunks(rows: list[int], per: int) -> list[list[int]]:
     return chunks
 
 
-class CallState:
-    """The state one call's chunks share: failing it drops its queued chunks (the
-    ``probe`` each chunk's request carries)."""
-
-    __slots__ = ("failed", "is_cancelled")
-
-    def __init__(self, is_cancelled: Callable[[], bool] | None) -> None:
-        self.failed = False
-        self.is_cancelled = is_cancelled
-
-    def probe(self) -> bool:
-        if self.failed:
-            return True
-        return self.is_cancelled is not None and self.is_cancelled()
-
-
-def _retrieve(future: asyncio.Future[InferenceResponse]) -> None:
-    # A chunk of a call that already failed: its error is the call's, seen once.
-    if not future.cancelled():
-        future.exception()
-
-
 class EmbeddingsService:
     """Embeddings over an :class:`InferenceService` (see the module docstring).
 
     Args:
         service: The inference service every chunk is admitted through.
+        window: Chunks of one call queued or running at once.
     """
 
-    def __init__(self, service: InferenceService) -> None:
+    def __init__(self, service: InferenceService, window: int = WINDOW) -> None:
         self.service = service
+        self.window = max(1, window)
         self._uncounted: set[tuple[str, str]] = set()
 
     # -- models ----------------------------------------------------------------------------
@@ -275,13 +261,18 @@ class EmbeddingsService:
     # -- one call --------------------------------------------------------------------------
 
     async def embed(
-        self, call: EmbeddingCall, is_cancelled: Callable[[], bool] | None = None
+        self,
+        call: EmbeddingCall,
+        is_cancelled: Callable[[], bool] | None = None,
+        traceparent: str | None = None,
     ) -> EmbeddingResult:
         """Serve ``call`` (steps 1-5 of the module docstring).
 
         Args:
             call: The decoded call.
             is_cancelled: Probe, True once the client has gone away.
+            traceparent: The client's W3C trace context (every chunk's span joins it), or
+                None.
 
         Raises:
             GpuserveError: why the call is refused or failed (counted once: by admission,
@@ -292,43 +283,41 @@ class EmbeddingsService:
         except GpuserveError as err:
             self.service.record_unrouted(call.model, None, err.reason)
             raise
-        state = CallState(is_cancelled)
         chunks = split_rows(call, self._max_rows(call.model))
-        admissions: list[Admission] = []
-        futures: list[asyncio.Future[InferenceResponse]] = []
-        version: str | None = None
-        measured = True  # every chunk's model measures it at admission (its cost)
+        # The token count overlaps the batches: started once the first chunk is queued
+        # (every chunk runs on its version; a model whose admission step measured each
+        # chunk needs none).
+        counting: list[int | asyncio.Future[list[int]] | None] = []
+
+        def count(first: Admission) -> None:
+            spec = embedding_spec(first.config)
+            assert spec is not None  # decode refuses a configuration that serves none
+            measured = first.runner.capabilities.admission is not None
+            counting.append(None if measured else self._count(first, call, spec))
+
         try:
-            for index, rows in enumerate(chunks):
-                wire = call.wire(rows)
-                admission = (  # the first loads the model on demand; the rest follow it
-                    await self.service.admit_loaded(call.model, version, wire, state.probe)
-                    if index == 0
-                    else self.service.admit(call.model, version, wire, state.probe)
-                )
-                version = admission.version  # later chunks: the version that took the first
-                admissions.append(admission)
-                measured = measured and admission.runner.capabilities.admission is not None
-                futures.append(self.service.submit(admission))
+            admissions, responses = await serve_chunks(
+                self.service,
+                call.model,
+                lambda index: call.wire(chunks[index]),
+                len(chunks),
+                CallState(is_cancelled),
+                self.window,
+                traceparent,
+                count,
+            )
         except BaseException:
-            self._abandon(state, futures)
+            if counting and isinstance(counting[0], asyncio.Future):
+                counting[0].cancel()  # nobody will read the count
             raise
         first = admissions[0]
         spec = embedding_spec(first.config)
-        assert spec is not None  # decode refuses a configuration that serves none
-        try:
-            counting = None if measured else self._count(first, call, spec)
-            if len(futures) == 1:  # the common case: no gathering future
-                responses: Sequence[InferenceResponse] = [await futures[0]]
-            else:
-                responses = await asyncio.gather(*futures)
-            if counting is None:
-                tokens = _admitted_tokens(admissions, call, spec)
-            else:
-                tokens = counting if isinstance(counting, int) else sum(await counting)
-        except BaseException:
-            self._abandon(state, futures)
-            raise
+        assert spec is not None
+        pending = counting[0]
+        if pending is None:
+            tokens = _admitted_tokens(admissions, call, spec)
+        else:
+            tokens = pending if isinstance(pending, int) else sum(await pending)
         embeddings = _assemble(chunks, responses, spec, call.dimensions)
         return EmbeddingResult(
             model=call.model,
@@ -352,12 +341,6 @@ class EmbeddingsService:
             if mv is not None
         ]
         return max(1, min(sizes)) if sizes else 1
-
-    @staticmethod
-    def _abandon(state: CallState, futures: list[asyncio.Future[InferenceResponse]]) -> None:
-        state.failed = True  # queued chunks are dropped when their batch forms
-        for future in futures:
-            future.add_done_callback(_retrieve)
 
     def _count(
         self, admission: Admission, call: EmbeddingCall, spec: EmbeddingSpec

@@ -50,7 +50,7 @@ from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.request import InferenceRequest, InferenceResponse, end_trace_with
 from gpuserve.engine.runners.base import ResponseStream, VersionRunner
 from gpuserve.engine.stats import RequestStats
-from gpuserve.errors import GpuserveError, UnavailableError
+from gpuserve.errors import GpuserveError, InvalidInputError, UnavailableError
 from gpuserve.metrics import ServerMetrics
 from gpuserve.metrics.generation import GenerationCollector
 from gpuserve.metrics.responses import ResponseCollector
@@ -58,6 +58,7 @@ from gpuserve.metrics.sequences import SequenceCollector, manager_schedulers
 from gpuserve.repository.manager import ModelManager
 from gpuserve.service.commands import RepositoryCommands
 from gpuserve.service.extensions import Extensions, ExtensionViews
+from gpuserve.service.lanes import LANE, PARAMETER, parse_lane
 from gpuserve.service.names import check_version_label
 from gpuserve.service.tracing import TracedStream
 
@@ -155,6 +156,8 @@ class InferenceService:
         metrics = ServerMetrics(manager) if with_metrics else None
         if metrics is not None:
             manager.version_listeners.append(metrics.watch_version)
+            manager.stop_listeners.append(metrics.version_stopped)
+            manager.removal_listeners.append(metrics.model_removed)
             manager.on_demand.listeners.append(metrics.on_residency)
             metrics.registry.register(SequenceCollector(manager_schedulers(manager)))
             metrics.registry.register(ResponseCollector(manager_schedulers(manager)))
@@ -253,6 +256,19 @@ class InferenceService:
                 trace.end(err)
             raise
         request.is_cancelled = is_cancelled
+        lane = request.parameters.get(PARAMETER) if request.parameters else None
+        if lane is not None:
+            try:
+                request.lane = parse_lane(lane, "request parameter 'lane'")
+            except InvalidInputError as err:
+                runner.stats.record_request(
+                    RequestStats(model, runner.version, 0, 0.0, 0.0, 0.0, err.reason)
+                )
+                if trace is not None:
+                    trace.end(err)
+                raise
+        elif LANE.get() == "bulk":  # the call's lane (a decoder may have set it already)
+            request.lane = "bulk"
         if trace is not None:
             request.trace = trace
             trace.request_id = request.id or ""

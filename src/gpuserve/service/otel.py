@@ -16,13 +16,19 @@ Spans are exported over OTLP/HTTP (protobuf) by a batch span processor on its ow
 Triton's ``opentelemetry,<setting>`` keys set it: ``url`` (default
 ``http://localhost:4318/v1/traces``; ``host:port/path`` gets ``http://``), ``resource``
 (``key=value``, repeatable; ``service.name`` defaults to ``gpuserve``),
-``bsp_max_queue_size`` (2048), ``bsp_schedule_delay`` (ms, 5000) and
-``bsp_max_export_batch_size`` (512).
+``bsp_max_queue_size`` (2048), ``bsp_schedule_delay`` (ms, 5000),
+``bsp_max_export_batch_size`` (512) and ``bsp_export_timeout`` (ms, 3000: the longest one
+export may take, its retries included, as OpenTelemetry's ``OTEL_BSP_EXPORT_TIMEOUT``).
+
+At shutdown the spans still held are exported for at most ``bsp_export_timeout``: with a
+collector that does not answer they are dropped (one warning says so) instead of holding
+the server's exit for the exporter's retries.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +51,8 @@ class OtelSettings:
         bsp_max_queue_size: Spans held for export at most; more are dropped.
         bsp_schedule_delay_ms: Longest wait between two exports, milliseconds.
         bsp_max_export_batch_size: Spans per export at most (<= the queue size).
+        bsp_export_timeout_ms: Longest one export may take, retries included, and longest
+            the last export may take at shutdown, milliseconds.
     """
 
     url: str = DEFAULT_URL
@@ -52,6 +60,7 @@ class OtelSettings:
     bsp_max_queue_size: int = 2048
     bsp_schedule_delay_ms: int = 5000
     bsp_max_export_batch_size: int = 512
+    bsp_export_timeout_ms: int = 3000
 
 
 class OtelSink:
@@ -72,13 +81,16 @@ class OtelSink:
         propagation = require("opentelemetry.trace.propagation.tracecontext", needed)
         url = settings.url if "://" in settings.url else f"http://{settings.url}"
         resource = resources.Resource.create({"service.name": "gpuserve", **settings.resource})
-        self._provider = sdk.TracerProvider(resource=resource)
+        self._export_timeout_s = settings.bsp_export_timeout_ms / 1000
+        # Shut down by the server (bounded, see shutdown), not by an exit hook of its own.
+        self._provider = sdk.TracerProvider(resource=resource, shutdown_on_exit=False)
         self._provider.add_span_processor(
             export.BatchSpanProcessor(
-                otlp.OTLPSpanExporter(endpoint=url),
+                otlp.OTLPSpanExporter(endpoint=url, timeout=self._export_timeout_s),
                 max_queue_size=settings.bsp_max_queue_size,
                 schedule_delay_millis=settings.bsp_schedule_delay_ms,
                 max_export_batch_size=settings.bsp_max_export_batch_size,
+                export_timeout_millis=settings.bsp_export_timeout_ms,
             )
         )
         self._tracer = self._provider.get_tracer("gpuserve")
@@ -144,5 +156,18 @@ class OtelSink:
         span.end(end_time=end)
 
     def shutdown(self) -> None:
-        """Export what is buffered (bounded by the exporter's timeout) and stop."""
-        self._provider.shutdown()
+        """Export what is buffered and stop, waiting at most ``bsp_export_timeout`` (past
+        it, the spans still held are dropped: the exporter's threads are daemons and never
+        hold the process's exit)."""
+        stopping = threading.Thread(
+            target=self._provider.shutdown, name="gpuserve-otel-shutdown", daemon=True
+        )
+        stopping.start()
+        stopping.join(self._export_timeout_s)
+        if stopping.is_alive():
+            logger.warning(
+                "OpenTelemetry: the collector at %s took no spans within %.1f s "
+                "(bsp_export_timeout); the spans still held are dropped",
+                self.url,
+                self._export_timeout_s,
+            )

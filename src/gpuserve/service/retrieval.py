@@ -14,24 +14,24 @@ One call of N rows (a query against N passages is N pairs) is served as requests
    each chunk pads little (the model's admission step then measures every pair's tokens,
    which the dynamic batcher groups and bounds batches by, with other clients' requests);
 2. chunks are admitted (:meth:`InferenceService.admit`) and queued
-   (:meth:`InferenceService.submit`) **at most :data:`WINDOW` at a time**: the next one when
-   the oldest is answered. A 1,000-passage call therefore never fills the queue ahead of
-   another client: a request that arrives meanwhile waits for at most the chunks already
-   queued (one batch) before its own runs, while the instance always has the next chunk of
-   the long call ready (no idle gap between its batches);
+   (:meth:`InferenceService.submit`) **at most :data:`WINDOW` at a time**
+   (:mod:`gpuserve.service.chunks`, as the embeddings service does): a request that arrives
+   meanwhile waits for at most the chunks already queued (a batch or two) before its own
+   rows run, while the instance always has the next chunk of the long call ready;
 3. the first chunk is routed (canary split, load on demand); the rest are pinned to the
-   version that took it, so an answer never mixes versions;
+   version that took it, so an answer never mixes versions; each carries the client's
+   ``traceparent``;
 4. outputs come back in input order; scores stay raw (logits): the API adapters apply the
    sigmoid / softmax their clients expect.
 
-When a chunk is refused or fails the call fails with that error; chunks not yet queued are
-never sent, and queued ones are dropped when their batch forms.
+How many rows one call may carry is the API's check, before this service is called
+(:meth:`~gpuserve.protocol.limits.RequestLimits.check_inputs`). When a chunk is refused or
+fails the call fails with that error; chunks not yet queued are never sent, and queued ones
+are dropped when their batch forms.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -41,27 +41,12 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
-from gpuserve.service.embeddings import CallState, even_chunks
-from gpuserve.service.inference import Admission, InferenceService
+from gpuserve.service.chunks import WINDOW, CallState, serve_chunks
+from gpuserve.service.embeddings import even_chunks
+from gpuserve.service.inference import InferenceService, WireRequest
 
 Kind = Literal["rerank", "classification", "sparse"]
 KINDS: tuple[Kind, ...] = ("rerank", "classification", "sparse")
-
-#: Chunks of one call queued or running at once (see step 2 of the module docstring).
-WINDOW = 2
-
-
-class TooManyRowsError(InvalidInputError):
-    """More documents or inputs than the model takes in one call (the APIs answer 413 or
-    400 in their own shape).
-
-    Attributes:
-        limit: The most the model takes.
-    """
-
-    def __init__(self, message: str, limit: int) -> None:
-        super().__init__(message)
-        self.limit = limit
 
 
 def serves(config: ModelConfig, kind: Kind) -> bool:
@@ -173,11 +158,6 @@ def chunk_rows(lengths: Sequence[int], per: int) -> list[list[int]]:
     return even_chunks(order, max(1, per))
 
 
-def _retrieve(future: asyncio.Future[InferenceResponse]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
 class RetrievalService:
     """Rerank, classification and sparse calls over an :class:`InferenceService` (see the
     module docstring).
@@ -252,6 +232,8 @@ class RetrievalService:
         pairs: Sequence[str] | None = None,
         is_cancelled: Callable[[], bool] | None = None,
         request_id: str | None = None,
+        wrap: Callable[[WireRequest], WireRequest] | None = None,
+        traceparent: str | None = None,
     ) -> RowsResult:
         """Serve ``len(texts)`` rows of ``kind`` on ``model`` (steps 1-4 of the module
         docstring).
@@ -263,6 +245,10 @@ class RetrievalService:
             pairs: Second text of each row, or None.
             is_cancelled: Probe, True once the client has gone away.
             request_id: Routing id for a canary split.
+            wrap: Applied to each chunk's wire request before admission (the Batch API
+                marks its requests bulk this way), or None.
+            traceparent: The client's W3C trace context (every chunk's span joins it), or
+                None.
 
         Raises:
             GpuserveError: why the call is refused or failed (counted once).
@@ -271,33 +257,20 @@ class RetrievalService:
         if pairs is not None:
             lengths = [n + len(p) for n, p in zip(lengths, pairs, strict=True)]
         chunks = chunk_rows(lengths, self._max_rows(model))
-        state = CallState(is_cancelled)
-        admissions: list[Admission] = []
-        responses: list[InferenceResponse | None] = [None] * len(chunks)
-        pending: deque[tuple[int, asyncio.Future[InferenceResponse]]] = deque()
-        version: str | None = None
-        sent = 0
-        try:
-            while sent < len(chunks) or pending:
-                while sent < len(chunks) and len(pending) < self.window:
-                    wire = RowsWire(kind, texts, pairs, chunks[sent], request_id)
-                    admission = (
-                        await self.service.admit_loaded(model, None, wire, state.probe)
-                        if sent == 0
-                        else self.service.admit(model, version, wire, state.probe)
-                    )
-                    version = admission.version
-                    admissions.append(admission)
-                    pending.append((sent, self.service.submit(admission)))
-                    sent += 1
-                index, future = pending.popleft()
-                responses[index] = await future
-        except BaseException:
-            state.failed = True  # queued chunks are dropped when their batch forms
-            for _, future in pending:
-                future.add_done_callback(_retrieve)
-            raise
-        done = [r for r in responses if r is not None]
+
+        def chunk(index: int) -> WireRequest:
+            wire: WireRequest = RowsWire(kind, texts, pairs, chunks[index], request_id)
+            return wire if wrap is None else wrap(wire)
+
+        admissions, done = await serve_chunks(
+            self.service,
+            model,
+            chunk,
+            len(chunks),
+            CallState(is_cancelled),
+            self.window,
+            traceparent,
+        )
         first = admissions[0]
         return RowsResult(
             model=model,
@@ -325,12 +298,15 @@ class RetrievalService:
 
 def _declares(config: ModelConfig, kind: Kind) -> bool:
     """Whether a model not loaded yet will serve ``kind``: its section, or a huggingface task
-    whose completion fills it in."""
+    whose completion fills it in. A task left unset is read from the folder at load: it may
+    serve any kind (the loaded version answers "does not serve" if it does not)."""
     if serves(config, kind):
         return True
     if config.backend != "huggingface":
         return False
     task = config.huggingface.task
+    if task is None:
+        return config.generate is None
     if kind == "sparse":
         return task == "sparse-embedding"
     return task == "sequence-classification"
@@ -374,7 +350,6 @@ __all__ = [
     "RetrievalService",
     "RowsResult",
     "RowsWire",
-    "TooManyRowsError",
     "chunk_rows",
     "serves",
 ]

@@ -15,6 +15,8 @@ entry                                  meaning
 ``opentelemetry,bsp_max_queue_size=N`` the batch span processor's settings
 ``opentelemetry,bsp_schedule_delay=MS``
 ``opentelemetry,bsp_max_export_batch_size=N``
+``opentelemetry,bsp_export_timeout=MS``   longest one export may take, retries included
+                                       (also the bound of the last export at shutdown)
 =====================================  ==============================================
 """
 
@@ -28,7 +30,12 @@ from gpuserve.service.otel import OtelSettings
 
 _GLOBAL = {"rate": "trace_rate", "level": "trace_level", "count": "trace_count"}
 _TRITON = {"file": "trace_file", "log-frequency": "log_frequency"}
-_BSP = ("bsp_max_queue_size", "bsp_schedule_delay", "bsp_max_export_batch_size")
+_BSP = (
+    "bsp_max_queue_size",
+    "bsp_schedule_delay",
+    "bsp_max_export_batch_size",
+    "bsp_export_timeout",
+)
 MODES = ("triton", "opentelemetry")
 
 
@@ -119,6 +126,8 @@ def _otel_setting(otel: OtelSettings, entry: str, key: str, value: str) -> None:
             otel.bsp_max_queue_size = number
         elif key == "bsp_schedule_delay":
             otel.bsp_schedule_delay_ms = number
+        elif key == "bsp_export_timeout":
+            otel.bsp_export_timeout_ms = number
         else:
             otel.bsp_max_export_batch_size = number
     else:

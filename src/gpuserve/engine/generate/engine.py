@@ -188,6 +188,7 @@ class GenerationEngine:
             arrival_s=request.arrival_s or self.clock(),
             deadline_s=request.deadline_s,
             max_tokens=params.max_tokens,
+            bulk=request.bulk,
         )
         try:
             self.scheduler.add(seq)

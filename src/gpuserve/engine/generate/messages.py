@@ -28,6 +28,7 @@ class GenerationRequest:
         params: Its sampling values (validated).
         deadline_s: Monotonic time after which it is ended with ``timeout``; None: none.
         arrival_s: When it was admitted, monotonic seconds.
+        bulk: Bulk work (the bulk lane): it waits behind interactive sequences.
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class GenerationRequest:
     params: SamplingParams
     deadline_s: float | None = None
     arrival_s: float = 0.0
+    bulk: bool = False
 
 
 @dataclass(slots=True)

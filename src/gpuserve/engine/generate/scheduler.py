@@ -22,6 +22,10 @@ Policy of :meth:`GenerationScheduler.schedule` (vLLM v1 style, no separate prefi
   its outputs; readmitted, it recomputes prompt + outputs (much of it from the prefix cache).
   No sequence is admitted in a step that preempted. A sequence is never lost and no step runs
   out of memory: :meth:`GenerationScheduler.add` refuses one that cannot fit the cache alone.
+* **Bulk sequences** (``Sequence.bulk``) wait behind every interactive one, are the first
+  preempted when blocks run out, and an interactive sequence that finds every running slot
+  taken preempts the newest running bulk one: bulk work only fills what interactive traffic
+  leaves, and never holds an interactive sequence back by more than one step.
 * **Cancellation and deadlines** take effect at the start of :meth:`schedule`, never mid-step.
 """
 
@@ -72,6 +76,8 @@ class StepPlan:
         expired: Sequences whose deadline passed: finished ("timeout"), blocks freed.
         aborted: Cancelled sequences finished ("abort") since the last plan, blocks freed.
         preempted: Sequences preempted this step: back in the waiting queue, blocks freed.
+        made_room: Bulk sequences preempted this step to give their slot to an interactive
+            one (back in the waiting queue, blocks freed; admission went on).
         num_tokens: Tokens in ``chunks`` (<= ``max_tokens_per_step``).
     """
 
@@ -79,6 +85,7 @@ class StepPlan:
     expired: list[Sequence] = field(default_factory=list)
     aborted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    made_room: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0
 
 
@@ -211,7 +218,10 @@ class GenerationScheduler:
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.output_ids:
             raise ValueError(f"sequence {seq.seq_id} is not a new sequence")
         self._by_id[seq.seq_id] = seq
-        self._waiting.append(seq)
+        if seq.bulk:
+            self._waiting.append(seq)
+        else:
+            self._queue_bulk_first(seq)  # ahead of every waiting bulk sequence
 
     def cancel(self, seq_id: int) -> bool:
         """Cancel a sequence (finish reason "abort"); it shows in the next plan's ``aborted``.
@@ -273,7 +283,7 @@ class GenerationScheduler:
                 index += 1
                 continue
             while not self.blocks.append_slots(seq, n):
-                victim = self._running[-1]
+                victim = self._victim()
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
@@ -281,6 +291,23 @@ class GenerationScheduler:
                 plan.chunks.append(self._chunk(seq, n))
                 budget -= n
                 index += 1
+
+        if (  # an interactive sequence waits and bulk ones hold every slot: one makes room
+            self._waiting
+            and not self._waiting[0].bulk
+            and len(self._running) >= self.max_running
+            and not plan.preempted
+        ):
+            bulk = [seq for seq in self._running if seq.bulk]
+            if bulk:
+                victim = bulk[-1]
+                budget += sum(len(c.token_ids) for c in plan.chunks if c.seq is victim)
+                plan.chunks = [c for c in plan.chunks if c.seq is not victim]
+                self._preempt(victim, plan)
+                plan.preempted.remove(victim)  # admission goes on this step
+                plan.made_room.append(victim)
+                self._waiting.remove(victim)  # behind the interactive ones, first of the bulk
+                self._queue_bulk_first(victim)
 
         while (
             self._waiting
@@ -351,6 +378,21 @@ class GenerationScheduler:
             token_ids=seq.token_slice(start, start + n),
             samples=start + n == seq.num_tokens,
         )
+
+    def _queue_bulk_first(self, seq: Sequence) -> None:
+        """Put ``seq`` in the waiting queue just before its first bulk sequence."""
+        index = next((i for i, other in enumerate(self._waiting) if other.bulk), None)
+        if index is None:
+            self._waiting.append(seq)
+        else:
+            self._waiting.insert(index, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest bulk one, else the newest."""
+        for seq in reversed(self._running):
+            if seq.bulk:
+                return seq
+        return self._running[-1]
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Drop ``seq``'s KV and put it at the front of the waiting queue."""

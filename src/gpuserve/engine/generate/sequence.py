@@ -53,6 +53,8 @@ class Sequence:
         finish_reason: Why it finished; None until then.
         preemptions: Times it was preempted (its KV dropped, to be recomputed).
         first_token_s: When its first output token was recorded, seconds; None until then.
+        bulk: It is bulk work: it waits behind interactive sequences, and gives up its slot
+            and blocks first (see the scheduler).
     """
 
     seq_id: int
@@ -70,6 +72,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     preemptions: int = 0
     first_token_s: float | None = None
+    bulk: bool = False
 
     @property
     def all_ids(self) -> list[int]:

@@ -249,6 +249,10 @@ class VersionRunner(abc.ABC):
         """Requests waiting for an instance (the queue depth gauge)."""
         return 0
 
+    def lane_queued(self) -> tuple[int, int]:
+        """Rows waiting in each lane: (interactive, bulk)."""
+        return self.queued, 0
+
     @property
     def instances(self) -> list[Any]:
         """The version's engine instances (none for an ensemble)."""

@@ -127,6 +127,10 @@ class BatchingRunner(VersionRunner):
         """Requests waiting in the batcher's queue."""
         return len(self.core.batcher)
 
+    def lane_queued(self) -> tuple[int, int]:
+        """Rows waiting in each lane: (interactive, bulk)."""
+        return self.core.batcher.lane_queued()
+
     @property
     def healthy(self) -> bool:
         """Whether at least one instance can run batches (False while all are replaced)."""

@@ -215,7 +215,13 @@ class GenerateRunner(VersionRunner):
         if request.timeout_us:
             deadline = self.clock() + request.timeout_us / 1e6
         stream = self.generate(
-            GenerationRequest(request.id or "", prompt_ids, asked.params, deadline_s=deadline)
+            GenerationRequest(
+                request.id or "",
+                prompt_ids,
+                asked.params,
+                deadline_s=deadline,
+                bulk=request.lane == "bulk",
+            )
         )
         stream.prompt_text = prompt_text
         return stream
@@ -300,6 +306,7 @@ class GenerateRunner(VersionRunner):
             parsed = tensor_request(request, self.model, self.defaults, self.limits, self.clock)
         except InvalidInputError as err:
             raise self._counted(err) from None
+        parsed.request.bulk = request.lane == "bulk"
         stream = self.generate(parsed.request)
         return TensorStream(
             stream,

@@ -136,6 +136,8 @@ class SequenceBatcher:
         assert seq is not None
         self.max_batch_tokens = max_batch_tokens
         self.row_cap: int | None = None  # the adaptive policy's control (unused here)
+        #: A sequence's requests keep their order: no bulk lane here (all interactive).
+        self.bulk_may_lead = True
         self.config: SequenceBatchingConfig = seq
         self.model = config.name or ""
         self.instances = instances
@@ -184,6 +186,10 @@ class SequenceBatcher:
     def queued_rows(self) -> int:
         """Rows queued (one per request of a batching model)."""
         return self._rows
+
+    def lane_queued(self) -> tuple[int, int]:
+        """Rows queued in each lane: all interactive (a sequence has one lane)."""
+        return self._rows, 0
 
     @property
     def has_deadlines(self) -> bool:

@@ -187,7 +187,11 @@ class InferenceServicer(ExtensionRpcs, pb_grpc.GRPCInferenceServiceServicer):
         self.config = config
         self.access_log = config.access_log
         self.redactor = Redactor(config.model_repository)
-        self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
+        self.limits = RequestLimits(
+            config.max_tensor_elements,
+            config.max_bytes_element_bytes,
+            config.max_inputs_per_call,
+        )
 
     # -- health and metadata ---------------------------------------------------------------
 

@@ -32,6 +32,8 @@ extensions):
     POST /rerank, /predict, /embed, ...       /embed, /embed_sparse, /tokenize, /similarity,
                                               / and /models/{m} (see
                                               gpuserve.server.http.retrieval_api)
+    GET  /health, /info, /models/{m}/health   TEI's readiness and model info (see
+    GET  /models/{m}/info                     gpuserve.server.http.tei_info)
 
 With an API token configured, every endpoint but the health checks, ``/metrics`` and
 ``/v2/openapi.json`` needs ``Authorization: Bearer <token>`` (401 without it; see
@@ -57,10 +59,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gpuserve.config import ServerConfig
-from gpuserve.errors import GpuserveError, UnauthenticatedError
+from gpuserve.errors import GpuserveError, InvalidInputError, UnauthenticatedError
 from gpuserve.protocol.http_codec import HttpInferBody, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
-from gpuserve.server.http import extensions_api, generate, openai, retrieval_api
+from gpuserve.server.http import extensions_api, generate, openai, retrieval_api, tei_info
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
 from gpuserve.server.http.repository_api import RepositoryApi
@@ -93,6 +95,8 @@ from gpuserve.server.timing import (
 )
 from gpuserve.service.constants import retry_after_s
 from gpuserve.service.inference import Admission, InferenceService
+from gpuserve.service.lanes import HEADER as LANE_HEADER
+from gpuserve.service.lanes import LANE, parse_lane
 from gpuserve.service.outcome import AccessRecord, log_access
 
 if TYPE_CHECKING:
@@ -124,7 +128,11 @@ class HttpApp:
         self.extensions = extensions_api.ExtensionsApi(service)  # shm, trace, logging
         self.tokens = Tokens(config)
         self.redactor = Redactor(config.model_repository)
-        self.limits = RequestLimits(config.max_tensor_elements, config.max_bytes_element_bytes)
+        self.limits = RequestLimits(
+            config.max_tensor_elements,
+            config.max_bytes_element_bytes,
+            config.max_inputs_per_call,
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self.generate = generate.GenerateApi(
             service,
@@ -146,6 +154,9 @@ class HttpApp:
             self._spawn,
         )
         self.openai.rerank = self.retrieval.cohere  # POST /v1/rerank, under OpenAI's mount
+        self.tei_info = tei_info.TeiInfoApi(
+            service, self.retrieval, self.limits, self.redactor, config.admission_workers
+        )
         self._table = compile_routes(self.routes())
 
     def routes(self) -> list[Route]:
@@ -183,13 +194,32 @@ class HttpApp:
             *(Route(POST, Exact(path), self._tei) for path in retrieval_api.TEI_PATHS),
             Route(POST, Exact("/"), self._tei),
             Route(POST, Mount("/models"), self._tei_model),
+            Route(GET, Exact("/health"), self.tei_info.health),
+            Route(GET, Exact("/info"), self.tei_info.info),
+            Route(GET, Where(tei_info.model_view_path), self.tei_info.model_view),
         ]
 
     # -- request handling ------------------------------------------------------------------
 
     def handle(self, request: HttpRequest) -> None:
         """Answer ``request``: at once, or (inference, ``/metrics``, repository calls) when
-        its work is done. Never raises."""
+        its work is done. Never raises. A call with ``x-gpuserve-lane`` runs in that lane
+        (:mod:`gpuserve.service.lanes`), the tasks it spawns included."""
+        lane = request.header(LANE_HEADER)
+        if lane is None:
+            self._handle(request)
+            return
+        try:
+            token = LANE.set(parse_lane(lane.decode("latin-1"), "header x-gpuserve-lane"))
+        except InvalidInputError as err:
+            self._fail(request, err)
+            return
+        try:
+            self._handle(request)
+        finally:
+            LANE.reset(token)
+
+    def _handle(self, request: HttpRequest) -> None:
         method = "GET" if request.method == "HEAD" else request.method  # the body is dropped
         path = request.path
         try:

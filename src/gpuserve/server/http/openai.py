@@ -10,6 +10,8 @@ Endpoints::
     GET  /v1/models            the models serving embeddings, rerank, classification,
                                sparse embeddings or text generation now
     GET  /v1/models/{model}    one of them
+    /v1/files, /v1/batches     OpenAI's Files and Batch API (handed to
+                               gpuserve.server.batches.api when the server has it)
 
 The wire is :mod:`gpuserve.protocol.openai_codec`; the work is
 :class:`~gpuserve.service.embeddings.EmbeddingsService`, whose every chunk is admitted by the
@@ -17,6 +19,12 @@ inference service (so it is batched, refused and counted exactly as V2 requests 
 are OpenAI's ``{"error": {...}}`` (see :mod:`gpuserve.server.http.openai_errors`). With an
 API token configured every ``/v1`` endpoint needs ``Authorization: Bearer <token>``, the same
 token as V2.
+
+One embeddings call carries at most the server's ``max_inputs_per_call`` inputs (413
+beyond, nothing computed; the check of every embeddings and retrieval route); its chunks are
+queued a window at a time, so other clients' requests are served between them. A client's
+W3C ``traceparent`` header joins its trace on every ``/v1`` route that runs a model (with
+tracing on).
 
 Every answer writes one access line (``gpuserve.access``) with the path ``/v1/...``, the model,
 the version that served it, the rows (inputs) of the call and its input shape. A call's
@@ -30,7 +38,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuserve.errors import GpuserveError, UnauthenticatedError, UnavailableError
 from gpuserve.protocol.limits import RequestLimits
@@ -45,7 +53,7 @@ from gpuserve.protocol.openai_codec import (
 from gpuserve.protocol.openai_generate import Kind
 from gpuserve.server.http.openai_errors import OpenAIHttpError, error_answer
 from gpuserve.server.http.openai_generate import GenerationApi
-from gpuserve.server.http.request import HttpRequest, respond_json
+from gpuserve.server.http.request import HttpRequest, respond_json, traceparent
 from gpuserve.server.security import Redactor, Tokens
 from gpuserve.server.timing import (
     COMPUTE_TIME_US_HEADER,
@@ -62,6 +70,9 @@ from gpuserve.service.embeddings import (
 from gpuserve.service.inference import InferenceService
 from gpuserve.service.outcome import AccessRecord
 from gpuserve.service.retrieval import KINDS, serves
+
+if TYPE_CHECKING:
+    from gpuserve.server.batches.api import BatchApi
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +122,8 @@ class OpenAIApi:
         self.generation = GenerationApi(service, redactor, access_log, self._fail)
         #: ``POST /v1/rerank``: set by the HTTP app to the retrieval API's handler.
         self.rerank: Callable[[HttpRequest, str, object], None] | None = None
+        #: ``/v1/files`` and ``/v1/batches``: set by the server to its Batch API.
+        self.batches: BatchApi | None = None
 
     def handle(self, request: HttpRequest, method: str) -> None:
         """Answer one ``/v1`` request: at once, or (embeddings) when its chunks are done.
@@ -130,6 +143,9 @@ class OpenAIApi:
                         405, f"{method} {path}: use POST", code="method_not_allowed"
                     )
                 self.rerank(request, method, None)
+                return
+            if self.batches is not None and self.batches.handles(path):
+                self.batches.handle(request, method, path, self._spawn)
                 return
             kind = GENERATION.get(path)
             if kind is not None:
@@ -191,7 +207,8 @@ class OpenAIApi:
     async def _embed(self, request: HttpRequest, body: EmbeddingsBody) -> None:
         record = AccessRecord("", request.method, request.path, 0, body.model, rows=body.rows)
         try:
-            result = await self.embeddings.embed(body, request.is_disconnected)
+            context = traceparent(request) if self.service.tracing else None
+            result = await self.embeddings.embed(body, request.is_disconnected, context)
             payload = encode_embeddings(result, body.encoding_format)
         except asyncio.CancelledError:
             self._fail(request, UnavailableError("server is shutting down; retry"), record)

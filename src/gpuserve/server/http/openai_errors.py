@@ -1,8 +1,8 @@
 """Errors of the OpenAI-compatible API in OpenAI's schema.
 
 Body: ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``. The status is
-the one of :mod:`gpuserve.server.status` (the one table from gpuserve errors to statuses),
-with one addition of the embeddings wire: more inputs than allowed is 413. The ``type`` and
+the one of :mod:`gpuserve.server.status` (the one table from gpuserve errors to statuses;
+more inputs than one call may carry is 413 there, as on every API). The ``type`` and
 ``code`` follow OpenAI's where it has them, so the ``openai`` client raises the matching
 exception class:
 
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import orjson
 
 from gpuserve.errors import GpuserveError, UnauthenticatedError
-from gpuserve.protocol.openai_codec import TooManyInputsError
 from gpuserve.server.status import http_status
 from gpuserve.service.constants import retry_after_s
 
@@ -106,7 +105,7 @@ def transport_error_body(status: int, message: str) -> bytes:
 def error_answer(err: BaseException) -> ErrorAnswer:
     """The status, OpenAI error fields and headers for ``err`` (500 for a bug, logged)."""
     if isinstance(err, GpuserveError):
-        status = 413 if isinstance(err, TooManyInputsError) else http_status(err)
+        status = http_status(err)
         kind, code = _TYPE_CODE.get(status, ("server_error", err.reason))
         answer = ErrorAnswer(status, err.message, kind, code, getattr(err, "param", None))
         retry = retry_after_s(err)

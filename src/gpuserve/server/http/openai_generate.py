@@ -99,37 +99,15 @@ class GenerationApi:
     async def _whole(
         self, request: HttpRequest, body: GenerationBody, call: GenerationCall, record: AccessRecord
     ) -> None:
-        choices = [ChoiceState(i) for i in range(len(call.streams))]
         try:
-            await asyncio.gather(
-                *(
-                    self._collect(request, stream, state, body.echo)
-                    for stream, state in zip(call.streams, choices, strict=True)
-                )
-            )
+            payload = await whole_answer(body, call, request.is_disconnected)
         except Exception as err:
             self._fail(request, err, record)
             return
         if request.is_disconnected():
             return
-        payload = answer(body, call.created, choices)
         record.status = 200
         respond_json(request, 200, payload, (), record if self.access_log else None)
-
-    async def _collect(
-        self, request: HttpRequest, stream: GenerationStream, state: ChoiceState, echo: bool
-    ) -> None:
-        if echo:
-            state.text = stream.prompt_text
-            state.offset = len(state.text)
-        while True:
-            deltas = await _next(request, stream)
-            if not deltas:
-                raise CancelledRequestError("the client went away")
-            for delta in deltas:
-                _apply(state, delta)
-            if deltas[-1].finished:
-                return
 
     # -- server-sent events ----------------------------------------------------------------
 
@@ -186,7 +164,7 @@ class GenerationApi:
                 request, chunk(body, call.created, state.index, stream.prompt_text, None, None)
             )
         while True:
-            deltas = await _next(request, stream)
+            deltas = await _next(request.is_disconnected, stream)
             if not deltas:
                 return sent  # the client went away
             offset = state.offset
@@ -237,9 +215,50 @@ def _apply(state: ChoiceState, delta: GenerationDelta) -> None:
         raise CancelledRequestError("the generation was cancelled")
 
 
-async def _next(request: HttpRequest, stream: GenerationStream) -> list[GenerationDelta]:
-    """The stream's next deltas; empty when it was cancelled or the client went away (then
-    the sequence is cancelled, even while it waits for a slot)."""
+async def whole_answer(
+    body: GenerationBody, call: GenerationCall, is_gone: Callable[[], bool]
+) -> bytes:
+    """Wait for every choice of ``call`` to finish and encode OpenAI's whole (not streamed)
+    answer of ``body`` (shared by the HTTP endpoints and the Batch API's lines).
+
+    Args:
+        body: The parsed call.
+        call: Its admitted sequences.
+        is_gone: True once nobody waits for the answer: the sequences are cancelled.
+
+    Raises:
+        GpuserveError: the first sequence that ended badly (its error; a timeout;
+            ``CancelledRequestError`` when cancelled or ``is_gone``).
+    """
+    choices = [ChoiceState(i) for i in range(len(call.streams))]
+    await asyncio.gather(
+        *(
+            _collect(stream, state, body.echo, is_gone)
+            for stream, state in zip(call.streams, choices, strict=True)
+        )
+    )
+    return answer(body, call.created, choices)
+
+
+async def _collect(
+    stream: GenerationStream, state: ChoiceState, echo: bool, is_gone: Callable[[], bool]
+) -> None:
+    if echo:
+        state.text = stream.prompt_text
+        state.offset = len(state.text)
+    while True:
+        deltas = await _next(is_gone, stream)
+        if not deltas:
+            raise CancelledRequestError("the client went away")
+        for delta in deltas:
+            _apply(state, delta)
+        if deltas[-1].finished:
+            return
+
+
+async def _next(is_gone: Callable[[], bool], stream: GenerationStream) -> list[GenerationDelta]:
+    """The stream's next deltas; empty when it was cancelled or ``is_gone()`` (then the
+    sequence is cancelled, even while it waits for a slot)."""
     if stream.pending:
         return await stream.next_batch()
     task = asyncio.ensure_future(stream.next_batch())
@@ -247,9 +266,9 @@ async def _next(request: HttpRequest, stream: GenerationStream) -> list[Generati
         done, _ = await asyncio.wait((task,), timeout=GONE_POLL_S)
         if done:
             return task.result()
-        if request.is_disconnected():
+        if is_gone():
             stream.cancel()
             return await task
 
 
-__all__ = ["GONE_POLL_S", "GenerationApi"]
+__all__ = ["GONE_POLL_S", "GenerationApi", "whole_answer"]

@@ -26,7 +26,8 @@ _ERRORS = {
     "404": ("OpenAINotFound", "Unknown model, a model serving no embeddings, or a bad URL."),
     "413": (
         "OpenAIPayloadTooLarge",
-        f"More than {MAX_INPUTS} inputs, or a body over max_request_body_bytes.",
+        f"More than max_inputs_per_call inputs ({MAX_INPUTS} unless the server sets it), or "
+        "a body over max_request_body_bytes.",
     ),
     "431": ("OpenAIHeadersTooLarge", "The request line and headers exceed max_header_bytes."),
     "429": ("OpenAITooManyRequests", "The model's queue is full; retry after Retry-After."),

@@ -22,8 +22,16 @@ A TEI body may name its ``model``; without it the first model (by name) serving 
 answers. Scores are the sigmoid of a cross-encoder's logit (``raw_scores``: the logit), and
 per label the softmax of a classifier's logits (sigmoid for a multi-label model). Every call
 is served by :class:`~gpuserve.service.retrieval.RetrievalService` (or the embeddings
-service), so every row is admitted, batched, refused and counted as V2 requests are. Errors
-are in each API's shape (:mod:`gpuserve.server.http.retrieval_errors`).
+service), so every row is admitted, batched, refused and counted as V2 requests are, a
+window of chunks at a time (other clients' requests are served between them). Errors are in
+each API's shape (:mod:`gpuserve.server.http.retrieval_errors`).
+
+One call carries at most the server's ``max_inputs_per_call`` texts, documents or inputs
+(or the model section's lower cap): past it, 413 naming the cap and the count, before
+anything is queued (:meth:`~gpuserve.protocol.limits.RequestLimits.check_inputs`, the check
+of ``/v1/embeddings`` too). A client's W3C ``traceparent`` header joins its trace: every
+chunk's span is a child of the client's span (with tracing on). TEI's ``GET /health`` and
+``GET /info`` are :mod:`gpuserve.server.http.tei_info`.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from gpuserve.errors import (
 from gpuserve.protocol import retrieval_codec as codec
 from gpuserve.protocol.limits import RequestLimits
 from gpuserve.protocol.openai_codec import EmbeddingsBody
-from gpuserve.server.http.request import HttpRequest, respond_json
+from gpuserve.server.http.request import HttpRequest, respond_json, traceparent
 from gpuserve.server.http.retrieval_errors import RetrievalError, cohere_error, tei_error
 from gpuserve.server.security import Redactor
 from gpuserve.server.timing import (
@@ -57,9 +65,9 @@ from gpuserve.server.timing import (
 )
 from gpuserve.service.embedding_models import count_pool
 from gpuserve.service.embeddings import EmbeddingsService
-from gpuserve.service.inference import InferenceService
+from gpuserve.service.inference import InferenceService, WireRequest
 from gpuserve.service.outcome import AccessRecord
-from gpuserve.service.retrieval import KINDS, Kind, RetrievalService, RowsResult, TooManyRowsError
+from gpuserve.service.retrieval import KINDS, Kind, RetrievalService, RowsResult
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 Header = tuple[bytes, bytes]
@@ -156,16 +164,22 @@ class RetrievalApi:
         self, path: str, document: dict[str, Any], request: HttpRequest, nested: bool
     ) -> tuple[bytes, RowsResult | None]:
         probe = request.is_disconnected
+        context = traceparent(request) if self.service.tracing else None
         if path == "/rerank":
             call = codec.parse_tei_rerank(document)
-            scores, result = await self._rerank(call, probe)
+            scores, result = await self.rerank_scores(call, probe, traceparent=context)
             return codec.encode_tei_rerank(call, scores), result
         if path == "/predict":
             predict = codec.parse_predict(document)
             model = self.retrieval.resolve("classification", predict.model)
             self._bound(model, "classification", len(predict.texts), "inputs")
             result = await self.retrieval.run(
-                "classification", model, predict.texts, predict.pairs, probe
+                "classification",
+                model,
+                predict.texts,
+                predict.pairs,
+                probe,
+                traceparent=context,
             )
             section = result.config.classification
             assert section is not None  # the wire refused a version without it
@@ -185,7 +199,9 @@ class RetrievalApi:
             texts = codec.parse_texts(document)
             model = self.retrieval.resolve("sparse", texts.model)
             self._bound(model, "sparse", len(texts.texts), "inputs")
-            result = await self.retrieval.run("sparse", model, texts.texts, None, probe)
+            result = await self.retrieval.run(
+                "sparse", model, texts.texts, None, probe, traceparent=context
+            )
             sparse = result.config.sparse
             assert sparse is not None
             indices = result.outputs[sparse.indices_output]
@@ -193,29 +209,40 @@ class RetrievalApi:
             return codec.encode_sparse(indices, values), result
         if path == "/embed":
             texts = codec.parse_texts(document)
-            vectors = await self._embed(texts.model, texts.texts, texts.dimensions, probe)
+            self.limits.check_inputs("inputs", len(texts.texts))
+            vectors = await self._embed(texts.model, texts.texts, texts.dimensions, probe, context)
             if texts.normalize:
                 vectors = _normalized(vectors)
             return orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY), None
         if path == "/similarity":
             similar = codec.parse_similarity(document)
-            vectors = _normalized(
-                await self._embed(similar.model, [similar.source, *similar.sentences], None, probe)
-            )
+            self.limits.check_inputs("inputs", len(similar.sentences) + 1)  # and the source
+            rows = [similar.source, *similar.sentences]
+            vectors = _normalized(await self._embed(similar.model, rows, None, probe, context))
             cosines = vectors[1:] @ vectors[0]
             return orjson.dumps([float(c) for c in cosines]), None
         if path == "/tokenize":
-            return await self._tokenize(codec.parse_texts(document)), None
+            texts = codec.parse_texts(document)
+            self.limits.check_inputs("inputs", len(texts.texts))
+            return await self._tokenize(texts), None
         raise ModelNotFoundError(f"no endpoint POST {path}")
 
-    async def _rerank(
-        self, call: codec.RerankCall, probe: Callable[[], bool]
+    async def rerank_scores(
+        self,
+        call: codec.RerankCall,
+        probe: Callable[[], bool],
+        wrap: Callable[[WireRequest], WireRequest] | None = None,
+        traceparent: str | None = None,
     ) -> tuple[np.ndarray, RowsResult]:
-        """Raw or sigmoid scores of ``call``'s documents, in input order."""
+        """Raw or sigmoid scores of ``call``'s documents, in input order (``wrap``: applied
+        to each chunk's wire request; the Batch API marks its requests bulk with it;
+        ``traceparent``: the client's trace context)."""
         model = self.retrieval.resolve("rerank", call.model)
         self._bound(model, "rerank", len(call.documents), "documents")
         queries = [call.query] * len(call.documents)
-        result = await self.retrieval.run("rerank", model, queries, call.documents, probe)
+        result = await self.retrieval.run(
+            "rerank", model, queries, call.documents, probe, wrap=wrap, traceparent=traceparent
+        )
         section = result.config.rerank
         assert section is not None
         logits = result.outputs[section.output].astype(np.float32)
@@ -223,23 +250,25 @@ class RetrievalApi:
         return (column if call.raw_scores else codec.sigmoid(column)), result
 
     def _bound(self, model: str, kind: Kind, count: int, field: str) -> None:
-        """Refuse more rows than the model's ``kind`` section allows (when it is loaded;
-        the first call of a model loaded on demand is bounded by the wire's limit)."""
+        """Refuse more rows than one call may carry: the server's ``max_inputs_per_call``,
+        or the model's ``kind`` section's lower cap (when the model is loaded; the first
+        call of a model loaded on demand is held to the server's)."""
+        self.limits.check_inputs(field, count, self.model_cap(model, kind))
+
+    def model_cap(self, model: str, kind: Kind) -> tuple[str, str, int | None] | None:
+        """``(model, setting, cap)`` of the model's ``kind`` section (cap None: the
+        server's), or None when the model has no version serving now."""
         try:
             config = self.retrieval.config(model)
         except GpuserveError:
-            return
-        limit: int | None = None
+            return None
         if kind == "rerank" and config.rerank is not None:
-            limit = config.rerank.max_documents
-        elif kind == "classification" and config.classification is not None:
-            limit = config.classification.max_inputs
-        elif kind == "sparse" and config.sparse is not None:
-            limit = config.sparse.max_inputs
-        if limit is not None and count > limit:
-            raise TooManyRowsError(
-                f"'{field}' has {count} items; model '{model}' takes at most {limit}", limit
-            )
+            return model, "rerank.max_documents", config.rerank.max_documents
+        if kind == "classification" and config.classification is not None:
+            return model, "classification.max_inputs", config.classification.max_inputs
+        if kind == "sparse" and config.sparse is not None:
+            return model, "sparse.max_inputs", config.sparse.max_inputs
+        return None
 
     async def _embed(
         self,
@@ -247,6 +276,7 @@ class RetrievalApi:
         texts: list[str],
         dimensions: int | None,
         probe: Callable[[], bool],
+        context: str | None,
     ) -> np.ndarray:
         if model is None:
             serving = self.embeddings.models()
@@ -254,7 +284,7 @@ class RetrievalApi:
                 raise ModelNotFoundError("no model serves embeddings")
             model = serving[0].id
         body = EmbeddingsBody(model, texts, None, dimensions=dimensions, limits=self.limits)
-        result = await self.embeddings.embed(body, probe)
+        result = await self.embeddings.embed(body, probe, context)
         return result.embeddings
 
     async def _tokenize(self, call: codec.TextsCall) -> bytes:
@@ -290,7 +320,10 @@ class RetrievalApi:
         try:
             call = codec.parse_cohere_rerank(codec.load(request.body))
             record.model = call.model or "-"
-            scores, result = await self._rerank(call, request.is_disconnected)
+            context = traceparent(request) if self.service.tracing else None
+            scores, result = await self.rerank_scores(
+                call, request.is_disconnected, traceparent=context
+            )
             payload = codec.encode_cohere_rerank(call, scores, str(uuid.uuid4()), result.tokens)
         except asyncio.CancelledError:
             self._fail(request, UnavailableError("server is shutting down; retry"), record, False)

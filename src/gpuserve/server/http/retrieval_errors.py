@@ -9,7 +9,8 @@ which the ``cohere`` SDK turns into its ``BadRequestError``, ``NotFoundError``,
 
     error                                 TEI status  error_type   Cohere status
     empty input                           400         Empty        400
-    other bad input, too many, too long   413         Validation   400
+    more inputs than one call may carry   413         Validation   413
+    other bad input, too long             413         Validation   400
     unknown model / kind                  404         Validation   404
     overloaded (queue full)               429         Overloaded   429
     not ready, shutting down              503         Unhealthy    503

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Interactive and bulk on one server: what a batch job costs the interactive traffic, and
+how fast the job runs.
+
+One ``gpuserve serve`` of the default repository's ``text_embedding`` (pinned with
+``--server-cores``), and in turn:
+
+1. **interactive alone**: an open loop of single-sentence ``/v1/embeddings`` calls at
+   ``--rate`` per second for ``--seconds``: latency p50/p99;
+2. **plain bulk calls**: ``/v1/embeddings`` calls of ``--per-line`` sentences each, closed
+   loop at ``--concurrency``: rows/s (the server's rate on ordinary calls);
+3. **the job alone**: a Batch API job of ``--inputs`` sentences (``--per-line`` per JSONL
+   line): rows/s from creation to completion;
+4. **interactive with the job**: the open loop of (1) while the same job runs: latency
+   p50/p99.
+
+Targets: p99 of (4) <= 1.5 x p99 of (1); rows/s of (3) >= 0.9 x rows/s of (2). The sentences
+are real prose (``benchmarks/corpus.py``). Writes ``results/bulk-lanes-<date>.json``/``.md``
+with the CPU (``lscpu``) and the command.
+
+    .venv/bin/python benchmarks/bulk_lanes.py                     # 200,000 inputs, ~10 min
+    .venv/bin/python benchmarks/bulk_lanes.py --inputs 20000 --seconds 20 --server-cores 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import io
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import corpus  # noqa: E402
+from generate import cpu_line, free_port, log, pct  # noqa: E402
+
+RESULTS = HERE / "results"
+
+
+@contextlib.contextmanager
+def server(cores: str | None) -> Iterator[str]:
+    from gpuserve.config import default_model_repository
+
+    root = Path(tempfile.mkdtemp(prefix="bulk-bench-"))
+    shutil.copytree(default_model_repository() / "text_embedding", root / "text_embedding")
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "gpuserve"),
+        "serve",
+        "--model-repository",
+        str(root),
+        "--http-port",
+        str(port),
+        "--grpc-port",
+        str(free_port()),
+        "--metrics-port",
+        str(free_port()),
+        "--state-dir",
+        str(root / "state"),
+        "--log-level",
+        "warning",
+    ]
+    if cores:
+        command = ["taskset", "-c", cores, *command]
+    process = subprocess.Popen(command)
+    try:
+        deadline = time.monotonic() + 180
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("gpuserve did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(30)
+        process.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def interactive(url: str, texts: list[str], rate: float, seconds: float) -> dict[str, float]:
+    rng = random.Random(1)
+    latencies: list[float] = []
+    failures = 0
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=256)) as client:
+
+        async def one(text: str) -> None:
+            nonlocal failures
+            started = time.perf_counter()
+            answer = await client.post(
+                f"{url}/v1/embeddings", json={"model": "text_embedding", "input": text}
+            )
+            if answer.status_code != 200:
+                failures += 1
+                return
+            latencies.append(time.perf_counter() - started)
+
+        tasks = []
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            tasks.append(asyncio.create_task(one(rng.choice(texts))))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return {
+        "requests": len(latencies),
+        "failures": failures,
+        "p50_ms": round(pct(latencies, 0.5) * 1e3, 2),
+        "p99_ms": round(pct(latencies, 0.99) * 1e3, 2),
+    }
+
+
+async def plain_calls(
+    url: str, texts: list[str], per_call: int, concurrency: int, calls: int
+) -> float:
+    async with httpx.AsyncClient(timeout=300) as client:
+        queue = list(range(calls))
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                chunk = [texts[(i * per_call + k) % len(texts)] for k in range(per_call)]
+                answer = await client.post(
+                    f"{url}/v1/embeddings", json={"model": "text_embedding", "input": chunk}
+                )
+                answer.raise_for_status()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return calls * per_call / (time.perf_counter() - started)
+
+
+def job_file(texts: list[str], inputs: int, per_line: int) -> bytes:
+    lines = []
+    for i in range(0, inputs, per_line):
+        chunk = [texts[(i + k) % len(texts)] for k in range(min(per_line, inputs - i))]
+        lines.append(
+            json.dumps(
+                {
+                    "custom_id": f"line-{i // per_line}",
+                    "method": "POST",
+                    "url": "/v1/embeddings",
+                    "body": {"model": "text_embedding", "input": chunk},
+                }
+            )
+        )
+    return ("\n".join(lines) + "\n").encode()
+
+
+def start_job(url: str, data: bytes) -> tuple[object, str]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    upload = client.files.create(file=("job.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    return client, batch.id
+
+
+def wait_job(client: object, batch_id: str) -> float:
+    started = time.perf_counter()
+    while True:
+        batch = client.batches.retrieve(batch_id)  # type: ignore[attr-defined]
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            if batch.status != "completed":
+                raise RuntimeError(f"the job ended {batch.status}: {batch.errors}")
+            return time.perf_counter() - started
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--inputs", type=int, default=200_000)
+    parser.add_argument("--per-line", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=20.0, help="interactive calls per second")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--server-cores", default=None)
+    args = parser.parse_args(argv)
+    texts = list(corpus.build("short").texts)
+    results: dict[str, object] = {
+        "cpu": cpu_line(),
+        "command": " ".join(["bulk_lanes.py", *(argv or sys.argv[1:])]),
+    }
+    with server(args.server_cores) as url:
+        log("interactive alone")
+        results["interactive_alone"] = asyncio.run(interactive(url, texts, args.rate, args.seconds))
+        log(f"  {results['interactive_alone']}")
+        calls = max(20, args.inputs // args.per_line // 10)
+        log(f"plain calls: {calls} x {args.per_line} inputs")
+        plain = asyncio.run(plain_calls(url, texts, args.per_line, args.concurrency, calls))
+        results["plain_rows_s"] = round(plain, 1)
+        data = job_file(texts, args.inputs, args.per_line)
+        log(f"the job alone: {args.inputs} inputs")
+        client, batch_id = start_job(url, data)
+        job_s = wait_job(client, batch_id)
+        results["job_rows_s"] = round(args.inputs / job_s, 1)
+        log("interactive with the job running")
+        client, batch_id = start_job(url, data)
+        results["interactive_with_job"] = asyncio.run(
+            interactive(url, texts, args.rate, args.seconds)
+        )
+        client.batches.cancel(batch_id)  # type: ignore[attr-defined]
+    alone = results["interactive_alone"]["p99_ms"]  # type: ignore[index]
+    crowded = results["interactive_with_job"]["p99_ms"]  # type: ignore[index]
+    results["targets"] = {
+        "p99 with job / alone (<= 1.5)": round(crowded / alone, 2),
+        "job rows/s / plain rows/s (>= 0.9)": round(results["job_rows_s"] / plain, 2),  # type: ignore[operator]
+    }
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"bulk-lanes-{datetime.date.today().isoformat()}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    text = "\n".join(
+        [
+            "# Interactive and bulk on one server",
+            "",
+            f"`{results['command']}`",
+            "",
+            f"CPU: {results['cpu']}",
+            "",
+            "```",
+            json.dumps(results, indent=2),
+            "```",
+            "",
+        ]
+    )
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
