@@ -45,7 +45,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import corpus  # noqa: E402
-from generate import cpu_line, free_port, log, pct  # noqa: E402
+from generate import cpu_line, free_port, log  # noqa: E402
+
+from gpuserve.bench.generation import pct  # noqa: E402
 
 RESULTS = HERE / "results"
 

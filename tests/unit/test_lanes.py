@@ -129,3 +129,16 @@ def test_bulk_sequences_are_preempted_first_when_blocks_run_out():
     scheduler.complete(plan, {c.seq.seq_id: 9 for c in plan.chunks if c.samples})
     plan = scheduler.schedule()  # each needs a new block; one block free: bulk goes first
     assert plan is not None and [s.seq_id for s in plan.preempted][:1] == [2]
+
+
+def test_a_bulk_led_batch_is_short_an_interactive_led_one_is_not():
+    worker = Worker("w0")
+    core, _ = core_with(worker, cfg=config(max_batch_size=8, bulk_max_batch_size=2))
+    for i in range(6):
+        core.admit(bulk(value=100 + i), 0.0)
+    (first,) = core.schedule(0.0).dispatched
+    assert values(first.batch.items) == [100, 101]  # led by bulk: bulk_max_batch_size rows
+    core.admit(request(value=1), 0.001)
+    core.complete(run(first, 0.0, 0.002), 0.002)
+    (second,) = core.schedule(0.002).dispatched
+    assert values(second.batch.items) == [1, 102, 103, 104, 105]  # led by interactive: filled

@@ -142,6 +142,10 @@ class DynamicBatchingConfig(_Strict):
         bulk_max_queue_size: Most requests of the bulk lane held in the queue (requests
             marked bulk, and every request of a batch job); one more is refused with 429.
             Bulk requests do not count against ``max_queue_size``.
+        bulk_max_batch_size: Most rows of a batch led by a bulk request (and of each chunk a
+            bulk call is cut into). An interactive request that arrives while one runs waits
+            for it to finish: smaller bulk batches keep that wait short, larger ones run bulk
+            work more efficiently. None (default): ``max_batch_size``.
     """
 
     max_queue_delay_us: int = Field(default=0, ge=0, le=60_000_000)
@@ -154,6 +158,7 @@ class DynamicBatchingConfig(_Strict):
     adaptive: AdaptiveBatchingConfig | None = None
     max_batch_tokens: int | None = Field(default=None, ge=1)
     bulk_max_queue_size: int = Field(default=4096, ge=1)
+    bulk_max_batch_size: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> DynamicBatchingConfig:

@@ -37,8 +37,9 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   level, with their own queue limit (``bulk_max_queue_size``). A batch is led by an
   interactive request whenever one is queued, and bulk rows fill the rest of its row and
   token budget; a batch led by a bulk request forms only for an instance with nothing in
-  flight (the core sets :attr:`DynamicBatcher.bulk_may_lead`), so a bulk backlog never holds
-  an interactive request back by more than the one batch running when it arrives.
+  flight (the core sets :attr:`DynamicBatcher.bulk_may_lead`) and carries at most
+  ``bulk_max_batch_size`` rows, so a bulk backlog never holds an interactive request back by
+  more than the one short batch running when it arrives.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -161,6 +162,8 @@ class DynamicBatcher:
         unpadded: The model runs batches without padding: requests with costs join in
             arrival order whatever their lengths and the budget counts real tokens.
         bulk_max_queue_size: Most queued bulk requests.
+        bulk_max_batch_size: Most rows of a batch led by a bulk request (an interactive
+            request arriving meanwhile waits for it to finish); None: ``max_batch_size``.
     """
 
     @classmethod
@@ -181,6 +184,7 @@ class DynamicBatcher:
             max_batch_tokens=max_batch_tokens,
             unpadded=unpadded,
             bulk_max_queue_size=db.bulk_max_queue_size,
+            bulk_max_batch_size=db.bulk_max_batch_size or config.max_batch_size or 1,
         )
 
     def __init__(
@@ -194,6 +198,7 @@ class DynamicBatcher:
         max_batch_tokens: int | None = None,
         unpadded: bool = False,
         bulk_max_queue_size: int = 4096,
+        bulk_max_batch_size: int | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -213,6 +218,7 @@ class DynamicBatcher:
         #: The level of bulk requests (below every priority level).
         self.bulk_level = priority_levels + 1
         self.bulk_max_queue_size = bulk_max_queue_size
+        self.bulk_max_batch_size = max(1, bulk_max_batch_size or max_batch_size or 1)
         self.bulk_may_lead = True
         self._size = 0
         self._rows = 0
@@ -366,6 +372,8 @@ class DynamicBatcher:
         limit = self.max_batch_size
         if self.row_cap is not None:
             limit = max(1, min(limit, self.row_cap))
+        if head.priority == self.bulk_level:  # short bulk batches: little for others to wait
+            limit = min(limit, self.bulk_max_batch_size)
         if head.length:
             return self._next_group(head, limit, now)
         available = self._compatible_rows(head.shape_key, limit)

@@ -70,6 +70,7 @@ from gpuserve.service.embedding_models import (
     model_counter,
 )
 from gpuserve.service.inference import Admission, InferenceService, WireRequest
+from gpuserve.service.lanes import LANE
 
 __all__ = [
     "COUNT_WORKERS",
@@ -331,15 +332,18 @@ class EmbeddingsService:
         )
 
     def _max_rows(self, name: str) -> int:
-        """Rows per chunk: the smallest ``max_batch_size`` among the versions the route may
-        pick for a call naming no version (1 for a model without batching)."""
+        """Rows per chunk: the smallest ``max_batch_size`` of the versions the route may pick
+        for a call naming no version (1 without batching); for a bulk call, at most their
+        ``dynamic_batching.bulk_max_batch_size`` (short bulk batches, see ``service.lanes``)."""
         model = self.service.manager.models.get(name)
         route = model.route if model is not None else None
-        sizes = [
-            mv.config.max_batch_size
-            for mv in ((route.default, route.canary) if route is not None else ())
-            if mv is not None
-        ]
+        versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
+        sizes = [mv.config.max_batch_size for mv in versions]
+        if LANE.get() == "bulk":
+            sizes += [
+                mv.config.dynamic_batching.bulk_max_batch_size or mv.config.max_batch_size
+                for mv in versions
+            ]
         return max(1, min(sizes)) if sizes else 1
 
     def _count(

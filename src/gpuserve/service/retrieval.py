@@ -44,6 +44,7 @@ from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
 from gpuserve.service.chunks import WINDOW, CallState, serve_chunks
 from gpuserve.service.embeddings import even_chunks
 from gpuserve.service.inference import InferenceService, WireRequest
+from gpuserve.service.lanes import LANE
 
 Kind = Literal["rerank", "classification", "sparse"]
 KINDS: tuple[Kind, ...] = ("rerank", "classification", "sparse")
@@ -285,14 +286,17 @@ class RetrievalService:
 
     def _max_rows(self, name: str) -> int:
         """Rows per chunk: the smallest ``max_batch_size`` of the versions the route may pick
-        (1 without batching)."""
+        for a call naming no version (1 without batching); for a bulk call, at most their
+        ``dynamic_batching.bulk_max_batch_size`` (short bulk batches, see ``service.lanes``)."""
         model = self.service.manager.models.get(name)
         route = model.route if model is not None else None
-        sizes = [
-            mv.config.max_batch_size
-            for mv in ((route.default, route.canary) if route is not None else ())
-            if mv is not None
-        ]
+        versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
+        sizes = [mv.config.max_batch_size for mv in versions]
+        if LANE.get() == "bulk":
+            sizes += [
+                mv.config.dynamic_batching.bulk_max_batch_size or mv.config.max_batch_size
+                for mv in versions
+            ]
         return max(1, min(sizes)) if sizes else 1
 
 

@@ -41,6 +41,7 @@ from gpuserve.server.http.retrieval_api import RetrievalApi
 from gpuserve.server.security import Redactor
 from gpuserve.service.embeddings import EmbeddingsService
 from gpuserve.service.generation import GenerationService
+from gpuserve.service.lanes import LANE
 
 Probe = Callable[[], bool]
 
@@ -103,6 +104,7 @@ class LineRunner:
             is_gone: True once nobody waits for the answer (the batch stops): queued requests
                 are dropped, sequences cancelled.
         """
+        lane = LANE.set("bulk")  # short chunks, in the bulk lane (gpuserve.service.lanes)
         try:
             if endpoint == "/v1/embeddings":
                 payload = await self._embeddings(body, is_gone)
@@ -119,6 +121,8 @@ class LineRunner:
             redact = isinstance(err, GpuserveError)
             message = self.redactor.text(answer.message) if redact else None
             return LineAnswer(answer.status, answer.body(message), isinstance(err, TRANSIENT))
+        finally:
+            LANE.reset(lane)
         return LineAnswer(200, payload)
 
     async def _embeddings(self, document: dict[str, Any], is_gone: Probe) -> bytes:
