@@ -32,7 +32,6 @@ import io
 import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import corpus  # noqa: E402
-from generate import cpu_line, free_port, log  # noqa: E402
+from generate import cpu_line, log, serve  # noqa: E402
 
 from gpuserve.bench.generation import pct  # noqa: E402
 
@@ -54,47 +53,13 @@ RESULTS = HERE / "results"
 
 @contextlib.contextmanager
 def server(cores: str | None) -> Iterator[str]:
+    """gpuserve serving a copy of the default ``text_embedding``, with a state directory."""
     from gpuserve.config import default_model_repository
 
     root = Path(tempfile.mkdtemp(prefix="bulk-bench-"))
     shutil.copytree(default_model_repository() / "text_embedding", root / "text_embedding")
-    port = free_port()
-    command = [
-        str(Path(sys.executable).parent / "gpuserve"),
-        "serve",
-        "--model-repository",
-        str(root),
-        "--http-port",
-        str(port),
-        "--grpc-port",
-        str(free_port()),
-        "--metrics-port",
-        str(free_port()),
-        "--state-dir",
-        str(root / "state"),
-        "--log-level",
-        "warning",
-    ]
-    if cores:
-        command = ["taskset", "-c", cores, *command]
-    process = subprocess.Popen(command)
-    try:
-        deadline = time.monotonic() + 180
-        url = f"http://127.0.0.1:{port}"
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("gpuserve did not start")
-            time.sleep(0.5)
+    with serve(root, cores, "--state-dir", str(root / "state")) as url:
         yield url
-    finally:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(30)
-        process.kill()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def interactive(url: str, texts: list[str], rate: float, seconds: float) -> dict[str, float]:

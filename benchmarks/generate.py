@@ -139,13 +139,9 @@ def chat_config(model: Path, precision: str, max_running: int) -> str:
 
 
 @contextlib.contextmanager
-def gpuserve_server(
-    model: Path, precision: str, cores: str | None, max_running: int
-) -> Iterator[str]:
-    root = Path(tempfile.mkdtemp(prefix="gen-bench-"))
-    (root / "chat" / "1").mkdir(parents=True)
-    (root / "chat" / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
-    (root / "chat" / "config.yaml").write_text(chat_config(model, precision, max_running))
+def serve(root: Path, cores: str | None, *extra: str) -> Iterator[str]:
+    """``gpuserve serve`` of the repository ``root`` on free ports (pinned to ``cores``),
+    until the context ends (``root`` is removed then); yields its base URL once ready."""
     port = free_port()
     command = [
         str(Path(sys.executable).parent / "gpuserve"),
@@ -160,31 +156,41 @@ def gpuserve_server(
         str(free_port()),
         "--log-level",
         "warning",
+        *extra,
     ]
     if cores:
         command = ["taskset", "-c", cores, *command]
     process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             with contextlib.suppress(httpx.HTTPError):
-                if (
-                    httpx.get(
-                        f"http://127.0.0.1:{port}/v2/models/chat/ready", timeout=2
-                    ).status_code
-                    == 200
-                ):
+                if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
                     break
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("gpuserve did not start")
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield url
     finally:
         process.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(30)
         process.kill()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def gpuserve_server(
+    model: Path, precision: str, cores: str | None, max_running: int
+) -> Iterator[str]:
+    """gpuserve serving ``model`` as ``chat``; yields its ``/v1`` URL."""
+    root = Path(tempfile.mkdtemp(prefix="gen-bench-"))
+    (root / "chat" / "1").mkdir(parents=True)
+    (root / "chat" / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
+    (root / "chat" / "config.yaml").write_text(chat_config(model, precision, max_running))
+    with serve(root, cores) as url:
+        yield f"{url}/v1"
 
 
 class InProcess:
