@@ -52,12 +52,19 @@ RESULTS = HERE / "results"
 
 
 @contextlib.contextmanager
-def server(cores: str | None) -> Iterator[str]:
-    """gpuserve serving a copy of the default ``text_embedding``, with a state directory."""
+def server(cores: str | None, bulk_rows: int | None) -> Iterator[str]:
+    """gpuserve serving a copy of the default ``text_embedding`` (its
+    ``dynamic_batching.bulk_max_batch_size`` set to ``bulk_rows`` when given)."""
     from gpuserve.config import default_model_repository
 
     root = Path(tempfile.mkdtemp(prefix="bulk-bench-"))
     shutil.copytree(default_model_repository() / "text_embedding", root / "text_embedding")
+    if bulk_rows:
+        config = root / "text_embedding" / "config.yaml"
+        text = config.read_text().replace(
+            "dynamic_batching:\n", f"dynamic_batching:\n  bulk_max_batch_size: {bulk_rows}\n", 1
+        )
+        config.write_text(text)
     with serve(root, cores, "--state-dir", str(root / "state")) as url:
         yield url
 
@@ -162,13 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--server-cores", default=None)
+    parser.add_argument(
+        "--bulk-max-batch-size", type=int, default=None, help="the model's bulk batch rows"
+    )
     args = parser.parse_args(argv)
     texts = list(corpus.build("short").texts)
     results: dict[str, object] = {
         "cpu": cpu_line(),
         "command": " ".join(["bulk_lanes.py", *(argv or sys.argv[1:])]),
     }
-    with server(args.server_cores) as url:
+    with server(args.server_cores, args.bulk_max_batch_size) as url:
         log("interactive alone")
         results["interactive_alone"] = asyncio.run(interactive(url, texts, args.rate, args.seconds))
         log(f"  {results['interactive_alone']}")

@@ -131,7 +131,7 @@ def test_bulk_sequences_are_preempted_first_when_blocks_run_out():
     assert plan is not None and [s.seq_id for s in plan.preempted][:1] == [2]
 
 
-def test_a_bulk_led_batch_is_short_an_interactive_led_one_is_not():
+def test_no_batch_carries_more_than_bulk_max_batch_size_bulk_rows():
     worker = Worker("w0")
     core, _ = core_with(worker, cfg=config(max_batch_size=8, bulk_max_batch_size=2))
     for i in range(6):
@@ -141,4 +141,4 @@ def test_a_bulk_led_batch_is_short_an_interactive_led_one_is_not():
     core.admit(request(value=1), 0.001)
     core.complete(run(first, 0.0, 0.002), 0.002)
     (second,) = core.schedule(0.002).dispatched
-    assert values(second.batch.items) == [1, 102, 103, 104, 105]  # led by interactive: filled
+    assert values(second.batch.items) == [1, 102, 103]  # led by interactive: 2 bulk rows more

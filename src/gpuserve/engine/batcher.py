@@ -37,9 +37,10 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   level, with their own queue limit (``bulk_max_queue_size``). A batch is led by an
   interactive request whenever one is queued, and bulk rows fill the rest of its row and
   token budget; a batch led by a bulk request forms only for an instance with nothing in
-  flight (the core sets :attr:`DynamicBatcher.bulk_may_lead`) and carries at most
-  ``bulk_max_batch_size`` rows, so a bulk backlog never holds an interactive request back by
-  more than the one short batch running when it arrives.
+  flight (the core sets :attr:`DynamicBatcher.bulk_may_lead`), and no batch carries more than
+  ``bulk_max_batch_size`` bulk rows, so a bulk backlog never holds an interactive request
+  back by more than the one batch running when it arrives, and adds at most that many rows
+  to its own batch.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -406,13 +407,19 @@ class DynamicBatcher:
         candidates: list[Pending] = []
         gone: list[Pending] = []
         available = head.rows
-        for level in self._levels:
+        bulk_room = self.bulk_max_batch_size  # bulk rows this batch may carry
+        for index, level in enumerate(self._levels):
+            bulk = index == self.bulk_level - 1
             for item in level:
                 if item is head or item.shape_key != key:
                     continue
                 if _gone(item):
                     gone.append(item)
                     continue
+                if bulk:
+                    if item.rows > bulk_room:
+                        break
+                    bulk_room -= item.rows
                 candidates.append(item)
                 available += item.rows
         group = select_group(head, candidates, limit, self.max_batch_tokens, self.unpadded)
@@ -477,9 +484,13 @@ class DynamicBatcher:
         for index, level in enumerate(self._levels):
             if rows >= target or not level:
                 continue
+            # bulk rows: at most bulk_max_batch_size of them in any batch
+            cap = target
+            if index == self.bulk_level - 1:
+                cap = min(target, rows + self.bulk_max_batch_size)
             keep: deque[Pending] = deque()
             for item in level:
-                if rows < target and item.shape_key == key and rows + item.rows <= target:
+                if rows < cap and item.shape_key == key and rows + item.rows <= cap:
                     if _gone(item):
                         self._drop(item)
                         continue
