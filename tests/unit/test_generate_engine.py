@@ -138,12 +138,12 @@ def _prompts(
 @pytest.mark.parametrize(
     ("budget", "prefix", "num_blocks"),
     [
-        (4096, False, 2048),  # whole prompts in one step
-        (61, False, 2048),  # chunked prefill: the 1,500-token prompt in 25 chunks
+        (61, False, 2048),  # chunked prefill: the 1,500-token prompt in 25 chunks (the
+        # short prompts fit one chunk: prefilled whole)
         (64, True, 2048),  # prefix caching, chunked
         (256, True, 420),  # too few blocks for everyone: preemption by recompute
     ],
-    ids=["whole", "chunked", "prefix", "preempt"],
+    ids=["chunked", "prefix", "preempt"],
 )
 def test_32_concurrent_greedy_sequences_equal_transformers(
     folders: dict[str, Path],
