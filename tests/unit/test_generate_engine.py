@@ -1,4 +1,5 @@
-"""The generation engine's step loop on a tiny random Llama, against transformers' greedy output.
+"""The generation engine's step loop on tiny random Llama, Qwen2 and GPT-2 models, against
+transformers' greedy output.
 
 32 concurrent sequences of mixed prompt lengths go through one engine: the token ids of every
 greedy sequence must be transformers' own, with the prefill chunked (a small token budget),
