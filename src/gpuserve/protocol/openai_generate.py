@@ -24,7 +24,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gpuserve.backends.causal_lm.params import n_from_mapping, sampling_params_from_mapping
+from gpuserve.backends.causal_lm.params import (
+    FIELDS,
+    n_from_mapping,
+    sampling_params_from_mapping,
+)
 from gpuserve.config import ModelConfig
 from gpuserve.engine.generate.defaults import sampling_defaults, sampling_limits
 from gpuserve.engine.generate.messages import GenerationInput
@@ -38,24 +42,9 @@ MAX_N = 128
 
 Kind = Literal["completion", "chat"]
 
-_SAMPLING = (
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
+#: Sampling fields taken from the body as they are (``logprobs`` and ``top_logprobs`` differ
+#: between the two endpoints and are read by :func:`parse_generation`).
+_SAMPLING = tuple(f for f in FIELDS if f not in ("logprobs", "top_logprobs"))
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 

@@ -24,6 +24,32 @@ from typing import Any
 from gpuserve.errors import InvalidInputError
 
 #: Seeds that ``torch.Generator.manual_seed`` accepts.
+#: The numeric fields :func:`sampling_params_from_mapping` reads (OpenAI's and vLLM's names).
+NUMERIC_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "min_tokens",
+    "top_logprobs",
+)
+#: Every field :func:`sampling_params_from_mapping` reads.
+FIELDS = (
+    *NUMERIC_FIELDS,
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 

@@ -25,6 +25,7 @@ import orjson
 
 from gpuserve.backends.causal_lm.backend import GenerationModel
 from gpuserve.backends.causal_lm.params import (
+    NUMERIC_FIELDS,
     SamplingLimits,
     SamplingParams,
     sampling_params_from_mapping,
@@ -45,20 +46,6 @@ _RESERVED = frozenset(
         "binary_data_output",
         "triton_enable_empty_final_response",
     }
-)
-_NUMBERS = (
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "min_tokens",
-    "top_logprobs",
 )
 
 
@@ -109,7 +96,7 @@ def tensor_request(
                 f"input 'sampling_parameters' must be a JSON object, got {type(given).__name__}"
             )
         values.update(given)
-    for key in _NUMBERS:  # "0.7" as Triton's clients send it
+    for key in NUMERIC_FIELDS:  # "0.7" as Triton's clients send it
         value = values.get(key)
         if isinstance(value, str):
             values[key] = _number(key, value)
