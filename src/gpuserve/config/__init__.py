@@ -22,12 +22,11 @@ from gpuserve.config.backend_sections import (
     OnnxProvider,
     OptimizationConfig,
 )
+from gpuserve.config.batching import AdaptiveBatchingConfig, DynamicBatchingConfig
 from gpuserve.config.embedding import EmbeddingConfig, embedding_problem
 from gpuserve.config.model import (
     CONFIG_FILENAME,
-    AdaptiveBatchingConfig,
     CanaryConfig,
-    DynamicBatchingConfig,
     InstanceGroup,
     LatestPolicy,
     ModelConfig,

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuserve.errors import UnavailableError
+from gpuserve.server.batches.input_scan import open_at, scan_input
 from gpuserve.server.batches.lines import LineAnswer, LineRunner
 from gpuserve.server.batches.state import JobLock, StateDir, new_id
 from gpuserve.server.batches.store import UNFINISHED, BatchRecord, FileRecord, JobStore
@@ -326,7 +327,7 @@ class BatchJobs:
         path = self._path(record.input_file_id)
         loop = asyncio.get_running_loop()
         try:
-            scan = await loop.run_in_executor(None, _scan, path, record.endpoint)
+            scan = await loop.run_in_executor(None, scan_input, path, record.endpoint)
         except FileNotFoundError:
             scan = None
         now = int(self.clock())
@@ -370,8 +371,8 @@ class BatchJobs:
         folder = self.state.partial(job.id, "output.jsonl").parent
         folder.mkdir(mode=0o700, exist_ok=True)
         job.output_bytes, job.error_bytes = record.output_bytes, record.error_bytes
-        job.output_fd = _open_at(self.state.partial(job.id, "output.jsonl"), record.output_bytes)
-        job.error_fd = _open_at(self.state.partial(job.id, "errors.jsonl"), record.error_bytes)
+        job.output_fd = open_at(self.state.partial(job.id, "output.jsonl"), record.output_bytes)
+        job.error_fd = open_at(self.state.partial(job.id, "errors.jsonl"), record.error_bytes)
 
     async def _execute(self, job: _Job, record: BatchRecord) -> BatchRecord:
         """Send every line without a result, at most ``concurrent_lines`` at once; returns
@@ -591,50 +592,3 @@ class BatchJobs:
         for batch in store.unfinished():
             self._launch(batch.id)
         self.storage_bytes = store.stored_bytes()
-
-
-@dataclass(slots=True)
-class _Scan:
-    """What validation found in an input file."""
-
-    total: int
-    bad: list[BadLine]
-    repeated: list[dict[str, object]]
-    model: str | None
-
-
-def _scan(path: Path, endpoint: str) -> _Scan:
-    """Read an input file once (worker thread): its lines, malformed lines and repeated
-    ``custom_id`` s (the first few)."""
-    total = 0
-    bad: list[BadLine] = []
-    seen: dict[str, int] = {}
-    repeated: list[dict[str, object]] = []
-    model = None
-    with path.open("rb") as stream:
-        for number, raw in read_lines(stream):
-            total += 1
-            line = parse_line(raw, number, endpoint)
-            if isinstance(line, BadLine):
-                bad.append(line)
-                continue
-            first = seen.setdefault(line.custom_id, number)
-            if first != number and len(repeated) < 10:
-                repeated.append(
-                    {
-                        "code": "duplicate_custom_id",
-                        "message": f"line {number} repeats the custom_id {line.custom_id!r} "
-                        f"of line {first}: each custom_id must be unique",
-                        "line": number,
-                    }
-                )
-            if model is None and type(line.body.get("model")) is str:
-                model = line.body["model"]
-    return _Scan(total, bad, repeated, model)
-
-
-def _open_at(path: Path, length: int) -> int:
-    """Open ``path`` for writing (created when missing) and cut it to ``length`` bytes."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.ftruncate(fd, length)
-    return fd
