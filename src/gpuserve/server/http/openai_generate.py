@@ -86,6 +86,7 @@ class GenerationApi:
             self._fail(request, err, record)
             return
         record.version = call.version
+        request.on_gone = call.cancel  # the client left before the answer: stop at once
         try:
             if body.stream:
                 await self._stream(request, body, call, record)
@@ -100,7 +101,7 @@ class GenerationApi:
         self, request: HttpRequest, body: GenerationBody, call: GenerationCall, record: AccessRecord
     ) -> None:
         try:
-            payload = await whole_answer(body, call, request.is_disconnected)
+            payload = await whole_answer(body, call)
         except Exception as err:
             self._fail(request, err, record)
             return
@@ -117,8 +118,6 @@ class GenerationApi:
         transport = request.connection.transport
         if transport is None or transport.is_closing():
             return
-        request.answered = True  # the event stream replaces respond()
-        transport.write(EVENT_HEAD)
         choices = [ChoiceState(i) for i in range(len(call.streams))]
         sent = 0
         try:
@@ -135,10 +134,14 @@ class GenerationApi:
             if body.include_usage and not request.is_disconnected():
                 sent += write_event(request, usage_chunk(body, call.created, choices))
         except GpuserveError as err:
+            if not request.answered:  # before the first event: an error with its status
+                self._fail(request, err, record)
+                return
             if not request.is_disconnected():
                 message = self.redactor.text(err.message)
                 sent += write_event(request, error_answer(err).body(message))
         if not transport.is_closing():
+            _begin(request)
             sent += write_event(request, _DONE)
             transport.write(END)
             transport.close()  # flushes what is buffered, then closes
@@ -160,13 +163,14 @@ class GenerationApi:
         first = True
         if body.echo and body.kind == "completion":
             state.offset = len(stream.prompt_text)
+            _begin(request)
             sent += write_event(
                 request, chunk(body, call.created, state.index, stream.prompt_text, None, None)
             )
         while True:
-            deltas = await _next(request.is_disconnected, stream)
+            deltas = await stream.next_batch()  # the client leaving cancels it (on_gone)
             if not deltas:
-                return sent  # the client went away
+                return sent
             offset = state.offset
             before = len(state.logprobs)
             text = "".join(delta.text for delta in deltas)
@@ -184,6 +188,7 @@ class GenerationApi:
                     first=first,
                     offset=offset,
                 )
+                _begin(request)
                 sent += write_event(request, event)
                 first = False
                 if not await drained(request):
@@ -191,6 +196,16 @@ class GenerationApi:
                     return sent
             if finished:
                 return sent
+
+
+def _begin(request: HttpRequest) -> None:
+    """Send the event stream's head before its first event (until then the client leaving
+    cancels the call through ``on_gone``, and a failure is an ordinary error answer)."""
+    if not request.answered:
+        request.answered = True  # the event stream replaces respond()
+        transport = request.connection.transport
+        if transport is not None:
+            transport.write(EVENT_HEAD)
 
 
 def _apply(state: ChoiceState, delta: GenerationDelta) -> None:
@@ -216,7 +231,7 @@ def _apply(state: ChoiceState, delta: GenerationDelta) -> None:
 
 
 async def whole_answer(
-    body: GenerationBody, call: GenerationCall, is_gone: Callable[[], bool]
+    body: GenerationBody, call: GenerationCall, is_gone: Callable[[], bool] | None = None
 ) -> bytes:
     """Wait for every choice of ``call`` to finish and encode OpenAI's whole (not streamed)
     answer of ``body`` (shared by the HTTP endpoints and the Batch API's lines).
@@ -224,7 +239,9 @@ async def whole_answer(
     Args:
         body: The parsed call.
         call: Its admitted sequences.
-        is_gone: True once nobody waits for the answer: the sequences are cancelled.
+        is_gone: True once nobody waits for the answer: the sequences are cancelled (looked
+            at every :data:`GONE_POLL_S` while a sequence waits); None: the caller cancels
+            ``call`` itself.
 
     Raises:
         GpuserveError: the first sequence that ended badly (its error; a timeout;
@@ -241,7 +258,7 @@ async def whole_answer(
 
 
 async def _collect(
-    stream: GenerationStream, state: ChoiceState, echo: bool, is_gone: Callable[[], bool]
+    stream: GenerationStream, state: ChoiceState, echo: bool, is_gone: Callable[[], bool] | None
 ) -> None:
     if echo:
         state.text = stream.prompt_text
@@ -256,10 +273,12 @@ async def _collect(
             return
 
 
-async def _next(is_gone: Callable[[], bool], stream: GenerationStream) -> list[GenerationDelta]:
+async def _next(
+    is_gone: Callable[[], bool] | None, stream: GenerationStream
+) -> list[GenerationDelta]:
     """The stream's next deltas; empty when it was cancelled or ``is_gone()`` (then the
     sequence is cancelled, even while it waits for a slot)."""
-    if stream.pending:
+    if is_gone is None or stream.pending:
         return await stream.next_batch()
     task = asyncio.ensure_future(stream.next_batch())
     while True:
