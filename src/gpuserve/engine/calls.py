@@ -207,6 +207,21 @@ class InProcessCaller:
             "is overloaded)"
         )
 
+    def _awaited_until(self, model: str) -> float | None:
+        """Until when the request being served is awaited, when it is itself a call (None:
+        it is not).
+
+        Raises:
+            RequestTimeoutError: that time has passed.
+        """
+        until = call_scope.awaited_until()
+        if until is not None and until <= time.monotonic():
+            raise RequestTimeoutError(
+                f"model '{self.caller}' calling model '{model}': the request being "
+                "served is no longer awaited (its own caller's timeout has passed)"
+            )
+        return until
+
     def __call__(
         self,
         model: str,
@@ -236,15 +251,9 @@ class InProcessCaller:
                 RequestTimeoutError after ``timeout_s``.
         """
         limit = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        now = time.monotonic()
-        awaited = now + limit
-        until = call_scope.awaited_until()  # the request being served is itself a call
+        awaited = time.monotonic() + limit
+        until = self._awaited_until(model)
         if until is not None:
-            if until <= now:
-                raise RequestTimeoutError(
-                    f"model '{self.caller}' calling model '{model}': the request being "
-                    "served is no longer awaited (its own caller's timeout has passed)"
-                )
             # the callee's request is awaited no longer than the one it serves, so a chain
             # of calls never outlives its first caller's patience
             awaited = min(awaited, until)
@@ -291,12 +300,7 @@ class InProcessCaller:
             RequestTimeoutError: the request being served is no longer awaited.
         """
         limit = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        until = call_scope.awaited_until()  # the request being served is itself a call
-        if until is not None and until <= time.monotonic():
-            raise RequestTimeoutError(
-                f"model '{self.caller}' calling model '{model}': the request being "
-                "served is no longer awaited (its own caller's timeout has passed)"
-            )
+        until = self._awaited_until(model)
         request = self._request(model, inputs, version, outputs, request_id, parameters, until)
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(self._run_stream(request, items), self.loop)
