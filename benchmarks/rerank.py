@@ -126,7 +126,7 @@ def in_process_limit(
     from gpuserve.backends.base import LoadContext
     from gpuserve.backends.huggingface import HuggingFaceBackend
     from gpuserve.config.model import load_model_config
-    from gpuserve.service.retrieval import chunk_rows
+    from gpuserve.service.apis.retrieval import chunk_rows
 
     before = os.sched_getaffinity(0)
     threads = torch.get_num_threads()

@@ -34,7 +34,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("CUDA shared memory needs a CUDA device", allow_module_level=True)
 
-from gpuserve.service.cuda_ipc import (  # noqa: E402
+from gpuserve.service.memory.cuda_ipc import (  # noqa: E402
     IPC_HANDLE_BYTES,
     CudaRuntimeDriver,
     DeviceMapping,

@@ -184,7 +184,7 @@ def test_bc44_backoff_fixed_model_and_a_model_larger_than_the_limit(tmp_path, ki
         assert metric(url, "gpuserve_model_loads_total", model="broken", outcome="success") == 1
 
         # 4. a model larger than the whole limit is served alone, with a warning ...
-        with caplog.at_level(logging.WARNING, logger="gpuserve.repository.ondemand"):
+        with caplog.at_level(logging.WARNING, logger="gpuserve.repository.ondemand.loader"):
             assert infer("big") == 7
         assert caplog.text.count("served alone") == 1, caplog.text
         assert state_of(url, "big")[0] == "READY"

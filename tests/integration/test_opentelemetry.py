@@ -267,7 +267,7 @@ def test_generate_extension_continues_the_trace(server, receiver):
 
 
 def test_with_tracing_off_no_request_asks_the_tracer(tmp_path, monkeypatch):
-    from gpuserve.service.runtime_settings import TraceSettings
+    from gpuserve.service.tracing.runtime_settings import TraceSettings
 
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("TraceSettings.start called with tracing off")

@@ -13,7 +13,7 @@ from gpuserve.backends.triton_python.backend import PythonModelBackend
 from gpuserve.cli.main import build_parser
 from gpuserve.config import parse_model_config
 from gpuserve.errors import ConfigError
-from gpuserve.repository.triton_config import load_triton_config
+from gpuserve.repository.triton.config import load_triton_config
 
 
 def _config(**fields):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.service.cuda_ipc import CudaIpcError, CudaRuntimeDriver
-from gpuserve.service.cuda_shared_memory import CudaSharedMemoryRegistry
+from gpuserve.service.memory.cuda_ipc import CudaIpcError, CudaRuntimeDriver
+from gpuserve.service.memory.cuda_shared_memory import CudaSharedMemoryRegistry
 
 STUB = r"""
 #include <stdint.h>

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.service.cuda_ipc import CudaIpcUnavailable, CudaRuntimeDriver
-from gpuserve.service.cuda_shared_memory import CudaRegionStatus, CudaSharedMemoryRegistry
-from gpuserve.service.shared_memory import SharedMemoryRegistry
+from gpuserve.service.memory.cuda_ipc import CudaIpcUnavailable, CudaRuntimeDriver
+from gpuserve.service.memory.cuda_shared_memory import CudaRegionStatus, CudaSharedMemoryRegistry
+from gpuserve.service.memory.shared_memory import SharedMemoryRegistry
 from tests.fixtures.fake_cuda_ipc import FakeCudaMemory
 
 

@@ -17,7 +17,7 @@ from gpuserve.backends.base import LoadContext
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.config import ModelConfig
 from gpuserve.errors import BackendError, InvalidInputError
-from gpuserve.repository.triton_config import load_triton_config
+from gpuserve.repository.triton.config import load_triton_config
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "decoupled"
 

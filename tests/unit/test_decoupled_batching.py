@@ -16,7 +16,7 @@ from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
 from gpuserve.errors import InvalidInputError, OverloadedError
-from gpuserve.repository.triton_config import load_triton_config
+from gpuserve.repository.triton.config import load_triton_config
 from tests.unit.test_decoupled_backend import Sink, loaded
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

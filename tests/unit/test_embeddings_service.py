@@ -31,8 +31,8 @@ from gpuserve.errors import BackendError, ConfigError, ModelNotFoundError, Overl
 from gpuserve.metrics import ServerMetrics
 from gpuserve.protocol.openai_codec import EmbeddingsBody
 from gpuserve.repository.manager import Model, ModelManager, ModelVersion, Route, VersionState
-from gpuserve.service import embeddings as emb
-from gpuserve.service.embeddings import (
+from gpuserve.service.apis import embeddings as emb
+from gpuserve.service.apis.embeddings import (
     EmbeddingSpec,
     EmbeddingsService,
     embedding_spec,

@@ -25,8 +25,8 @@ from gpuserve.errors import (
     ModelNotReadyError,
     RequestTimeoutError,
 )
-from gpuserve.repository.pbtxt import parse_text
-from gpuserve.repository.triton_config import triton_config, triton_config_from_json
+from gpuserve.repository.triton.pbtxt import parse_text
+from gpuserve.repository.triton.config import triton_config, triton_config_from_json
 
 PATH = Path("repo/ens/config.yaml")
 

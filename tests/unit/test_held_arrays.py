@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpuserve.repository import held_arrays
-from gpuserve.repository.held_arrays import held_bytes
+from gpuserve.repository.ondemand import held_arrays
+from gpuserve.repository.ondemand.held_arrays import held_bytes
 
 
 class Holder:

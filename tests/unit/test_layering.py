@@ -141,7 +141,7 @@ UPWARD = [
     (
         "backends",
         "triton_python/auto_complete.py",
-        "from gpuserve.repository.triton_config import DATATYPES\n",
+        "from gpuserve.repository.triton.config import DATATYPES\n",
     ),
     (
         "backends",
@@ -181,3 +181,14 @@ def test_the_check_sees_a_front_end_importing_another(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert [entry.split(":")[1].split()[0] for entry in violations("server/grpc")] == ["1", "1"]
     assert [entry.split(":")[1].split()[0] for entry in violations("server")] == ["2", "2"]
+
+
+@pytest.mark.parametrize("layer", ["service", "repository"])
+def test_large_layers_are_grouped_by_job(layer):
+    """The service and the repository layer keep sub-folders by job (as the engine does):
+    a dozen modules at most at their top level, every sub-folder a package."""
+    top = [p for p in (PACKAGE / layer).glob("*.py") if p.stem != "__init__"]
+    folders = [p for p in (PACKAGE / layer).iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert len(top) <= 12, sorted(p.name for p in top)
+    assert len(folders) >= 3
+    assert all((folder / "__init__.py").is_file() for folder in folders)

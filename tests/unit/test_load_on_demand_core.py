@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gpuserve.repository.demand import BACKOFF, NO_ROOM, decide, held_back
-from gpuserve.repository.residency import Limits, Resident, expected_memory, over_budget
-from gpuserve.repository.retry import Failure, RetryBackoff
+from gpuserve.repository.ondemand.demand import BACKOFF, NO_ROOM, decide, held_back
+from gpuserve.repository.ondemand.residency import Limits, Resident, expected_memory, over_budget
+from gpuserve.repository.lifecycle.retry import Failure, RetryBackoff
 
 MB = 1024 * 1024
 

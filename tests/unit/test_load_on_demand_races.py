@@ -31,10 +31,11 @@ from typing import Any
 import pytest
 
 from gpuserve.errors import GpuserveError, ModelNotReadyError
-from gpuserve.repository import executor as executor_module
-from gpuserve.repository import footprint, ondemand
+from gpuserve.repository.lifecycle import executor as executor_module
+from gpuserve.repository.ondemand import footprint
+from gpuserve.repository.ondemand import loader as ondemand
 from gpuserve.repository.manager import ModelManager
-from gpuserve.repository.residency import Limits
+from gpuserve.repository.ondemand.residency import Limits
 from gpuserve.repository.state import ModelVersion, VersionState
 
 MODELS = 4

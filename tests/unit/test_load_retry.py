@@ -11,7 +11,7 @@ import pytest
 
 from gpuserve.errors import ConfigError
 from gpuserve.repository.manager import ModelManager
-from gpuserve.repository.retry import RetryBackoff
+from gpuserve.repository.lifecycle.retry import RetryBackoff
 
 pytestmark = pytest.mark.timeout(60)
 

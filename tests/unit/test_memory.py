@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpuserve.repository import footprint
+from gpuserve.repository.ondemand import footprint
 from gpuserve.server import memory
 from gpuserve.server.memory import (
     M_ARENA_MAX,

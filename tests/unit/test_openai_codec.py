@@ -31,7 +31,7 @@ from gpuserve.protocol.openai_codec import (
     parse_embeddings,
 )
 from gpuserve.server.http.openai_errors import OpenAIHttpError, error_answer
-from gpuserve.service.embeddings import EmbeddingInputError, EmbeddingModelView, EmbeddingResult
+from gpuserve.service.apis.embeddings import EmbeddingInputError, EmbeddingModelView, EmbeddingResult
 
 
 def text_config(max_batch_size: int = 4, **embedding) -> ModelConfig:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from gpuserve.errors import ConfigError
-from gpuserve.repository.pbtxt import parse_text
+from gpuserve.repository.triton.pbtxt import parse_text
 from gpuserve.repository.scan import read_model, scan_repository
-from gpuserve.repository.triton_config import (
+from gpuserve.repository.triton.config import (
     is_triton_config,
     load_triton_config,
     triton_config_from_json,

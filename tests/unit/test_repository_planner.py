@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuserve.config import CanaryConfig, ModelConfig, TensorSpec, VersionPolicy
-from gpuserve.repository.planner import (
+from gpuserve.repository.lifecycle.planner import (
     Loaded,
     LoadResult,
     ModelState,

@@ -12,9 +12,9 @@ import pytest
 
 from gpuserve.config import CanaryConfig
 from gpuserve.errors import ConfigError, InvalidInputError, ModelNotFoundError
-from gpuserve.repository.planner import Settings
+from gpuserve.repository.lifecycle.planner import Settings
 from gpuserve.repository.report import load_failed
-from gpuserve.repository.rollout import (
+from gpuserve.repository.lifecycle.rollout import (
     canary_config,
     current_canary,
     plan_abort,

@@ -19,8 +19,8 @@ from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.reshape import ReshapeSpec
 from gpuserve.engine.scheduling import SchedulerCore
 from gpuserve.errors import BackendError, ConfigError, InvalidInputError
-from gpuserve.repository.pbtxt import parse_text
-from gpuserve.repository.triton_config import triton_config
+from gpuserve.repository.triton.pbtxt import parse_text
+from gpuserve.repository.triton.config import triton_config
 from gpuserve.server.grpc.messages import model_config
 from gpuserve.service.views import ModelConfigView
 
@@ -357,7 +357,7 @@ def test_signature_compares_the_reshape_with_the_model_file():
 
 
 def test_a_load_override_in_tritons_json_takes_reshape_too():
-    from gpuserve.repository.triton_config import triton_config_from_json
+    from gpuserve.repository.triton.config import triton_config_from_json
 
     data = {
         "backend": "python",

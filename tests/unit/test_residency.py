@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuserve.repository.residency import (
+from gpuserve.repository.ondemand.residency import (
     IDLE,
     LRU,
     MEMORY,
@@ -165,7 +165,7 @@ def _model_folder(root, extra: str = "", weights_bytes: int = 0):
 
 
 def test_estimate_from_its_own_files_precision_and_instances(tmp_path):
-    from gpuserve.repository.estimate import expected
+    from gpuserve.repository.ondemand.estimate import expected
 
     entry = _model_folder(tmp_path / "a", "instance_group: [{count: 2, kind: cpu}]\n", 10 * MB)
     files = 10 * MB + len("# a model\n")
@@ -177,7 +177,7 @@ def test_estimate_from_its_own_files_precision_and_instances(tmp_path):
 
 
 def test_a_configured_expected_memory_wins_over_the_files(tmp_path):
-    from gpuserve.repository.estimate import expected
+    from gpuserve.repository.ondemand.estimate import expected
 
     entry = _model_folder(tmp_path, "expected_memory_bytes: 123456\n", 10 * MB)
     assert expected(entry) == {"cpu": 123456}

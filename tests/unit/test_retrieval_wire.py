@@ -9,7 +9,7 @@ import pytest
 
 from gpuserve.backends.hf_text import pair_lengths, splade
 from gpuserve.protocol import retrieval_codec as codec
-from gpuserve.service.retrieval import chunk_rows
+from gpuserve.service.apis.retrieval import chunk_rows
 
 
 @pytest.mark.parametrize(

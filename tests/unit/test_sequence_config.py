@@ -9,8 +9,8 @@ import pytest
 
 from gpuserve.config import parse_model_config
 from gpuserve.errors import ConfigError
-from gpuserve.repository.pbtxt import parse_text
-from gpuserve.repository.triton_config import load_triton_config, triton_config
+from gpuserve.repository.triton.pbtxt import parse_text
+from gpuserve.repository.triton.config import load_triton_config, triton_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sequence" / "model_repository"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.service.shared_memory import RegionStatus, SharedMemoryRegistry
+from gpuserve.service.memory.shared_memory import RegionStatus, SharedMemoryRegistry
 
 
 @pytest.fixture()

@@ -7,8 +7,8 @@ import pytest
 from gpuserve.engine import tracing as engine_tracing
 from gpuserve.errors import ConfigError
 from gpuserve.metrics.cpu import CpuCollector, read_cpu_jiffies, read_meminfo_bytes
-from gpuserve.service.runtime_settings import TraceSettings
-from gpuserve.service.trace_config import parse_trace_config
+from gpuserve.service.tracing.runtime_settings import TraceSettings
+from gpuserve.service.tracing.trace_config import parse_trace_config
 
 
 def test_triton_entries_become_settings_and_exporter_options():

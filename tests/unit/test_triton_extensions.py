@@ -17,9 +17,9 @@ from gpuserve.engine.request import InferenceResponse, RequestTiming
 from gpuserve.errors import InvalidInputError
 from gpuserve.protocol import grpc_codec, http_codec
 from gpuserve.protocol.protos import grpc_service_pb2 as pb
-from gpuserve.service.classification import LabelFiles, top_k
-from gpuserve.service.runtime_settings import LogSettings, TraceSettings
-from gpuserve.service.shared_memory import CudaSharedMemoryRegistry, SharedMemoryRegistry
+from gpuserve.service.apis.classification import LabelFiles, top_k
+from gpuserve.service.tracing.runtime_settings import LogSettings, TraceSettings
+from gpuserve.service.memory.shared_memory import CudaSharedMemoryRegistry, SharedMemoryRegistry
 
 ADD = ModelConfig(
     inputs=[

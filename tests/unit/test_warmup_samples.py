@@ -25,9 +25,9 @@ from gpuserve.engine.warmup_samples import (
     zero_tensor,
 )
 from gpuserve.errors import BackendError, ConfigError
-from gpuserve.repository.pbtxt import parse_text
+from gpuserve.repository.triton.pbtxt import parse_text
 from gpuserve.repository.scan import scan_model
-from gpuserve.repository.triton_config import triton_config
+from gpuserve.repository.triton.config import triton_config
 
 BASE = {
     "backend": "python",

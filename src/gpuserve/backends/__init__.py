@@ -1,7 +1,7 @@
 """Execution backends. :func:`create_backend` maps a config's ``backend`` name to a class.
 
 Triton's platforms map onto these when a ``config.pbtxt`` is read
-(:data:`gpuserve.repository.triton_config.PLATFORMS`): ``onnxruntime_onnx`` / ``onnxruntime``
+(:data:`gpuserve.repository.triton.config.PLATFORMS`): ``onnxruntime_onnx`` / ``onnxruntime``
 -> ``onnx``, ``pytorch_libtorch`` / ``pytorch`` -> ``torch`` (TorchScript ``model.pt``),
 ``python`` -> ``python`` (a ``Model`` class or Triton's ``TritonPythonModel``).
 """

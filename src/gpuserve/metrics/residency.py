@@ -23,7 +23,7 @@ gpuserve_model_memory_bytes{model,device}   gauge      memory a loaded model gai
                                                        RSS, ``cuda:<n>`` = GPU)
 ==========================================  =========  ====================================
 
-The counters are fed by the repository's :class:`~gpuserve.repository.ondemand.ResidencyEvent`
+The counters are fed by the repository's :class:`~gpuserve.repository.ondemand.loader.ResidencyEvent`
 listener (on the event loop, so they are :mod:`~gpuserve.metrics.loop_series` families); the
 gauges are read from the model manager at scrape time. A model's series stay while it is in
 the repository (an evicted model keeps its counts) and go when it leaves.
@@ -42,7 +42,7 @@ from gpuserve.metrics.loop_series import LoopCounter, LoopHistogram
 
 if TYPE_CHECKING:
     from gpuserve.repository.manager import ModelManager
-    from gpuserve.repository.ondemand import ResidencyEvent
+    from gpuserve.repository.ondemand.loader import ResidencyEvent
 
 #: Load-time buckets, seconds: from a small Python model to a large model on a GPU.
 LOAD_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

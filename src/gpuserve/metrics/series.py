@@ -70,7 +70,7 @@ from gpuserve.metrics.triton import TritonGpuCollector, TritonModelCollector
 if TYPE_CHECKING:
     from gpuserve.engine.runners.base import VersionRunner
     from gpuserve.repository.manager import ModelManager
-    from gpuserve.repository.ondemand import ResidencyEvent
+    from gpuserve.repository.ondemand.loader import ResidencyEvent
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ class ServerMetrics:
         )
 
     def on_residency(self, event: ResidencyEvent) -> None:
-        """:class:`~gpuserve.repository.ondemand.OnDemand` hook: a model loaded on demand or
+        """:class:`~gpuserve.repository.ondemand.loader.OnDemand` hook: a model loaded on demand or
         was evicted."""
         self.residency.on_event(event)
 

@@ -12,7 +12,7 @@ Both wire formats carry them the same way, as tensor parameters (a JSON object o
 
 The codecs use :func:`shm_ref` and :func:`classification_count`; the regions themselves are
 reached through the small :class:`SharedMemoryReader` interface (implemented by
-:class:`gpuserve.service.shared_memory.SharedMemoryRegistry`), so the codecs stay pure.
+:class:`gpuserve.service.memory.shared_memory.SharedMemoryRegistry`), so the codecs stay pure.
 Without a reader (the server does not allow client shared memory) a shared-memory parameter is
 refused with 400 naming it.
 """

@@ -46,7 +46,7 @@ from gpuserve.errors import TooManyInputsError as TooManyInputsError  # re-expor
 from gpuserve.protocol.limits import DEFAULT_MAX_INPUTS_PER_CALL, RequestLimits
 from gpuserve.protocol.shapes import described, json_type, show, validate_request_shapes
 from gpuserve.protocol.tensors import build_input
-from gpuserve.service.embeddings import (
+from gpuserve.service.apis.embeddings import (
     EmbeddingInputError,
     EmbeddingModelView,
     EmbeddingResult,

@@ -1,9 +1,9 @@
 """The model manager: loads the versions a repository selects and routes requests to them.
 
 A thin façade that keeps the per-model locks, the control modes, the poll loop, start and
-close, over parts with one job each: :mod:`~gpuserve.repository.planner` and
-:mod:`~gpuserve.repository.rollout` decide (pure: which versions load and retire, the route),
-:mod:`~gpuserve.repository.executor` does (load and warm up, switch, drain), and
+close, over parts with one job each: :mod:`~gpuserve.repository.lifecycle.planner` and
+:mod:`~gpuserve.repository.lifecycle.rollout` decide (pure: which versions load and retire, the route),
+:mod:`~gpuserve.repository.lifecycle.executor` does (load and warm up, switch, drain), and
 :mod:`~gpuserve.repository.router` answers the request path and the readiness rule.
 
 Every change, whatever asks for it, is one reconcile of the executor under the model's lock,
@@ -24,12 +24,12 @@ from gpuserve.config import ServerConfig
 from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ConfigError, InvalidInputError
-from gpuserve.repository import rollout
-from gpuserve.repository.ensemble_loading import load_ensemble
-from gpuserve.repository.executor import Change, Executor, adopt, last_scan, stop_all, take_config
-from gpuserve.repository.loading import load_version
-from gpuserve.repository.ondemand import OnDemand
-from gpuserve.repository.planner import Settings
+from gpuserve.repository.lifecycle import rollout
+from gpuserve.repository.lifecycle.ensemble_loading import load_ensemble
+from gpuserve.repository.lifecycle.executor import Change, Executor, adopt, last_scan, stop_all, take_config
+from gpuserve.repository.lifecycle.loading import load_version
+from gpuserve.repository.ondemand.loader import OnDemand
+from gpuserve.repository.lifecycle.planner import Settings
 from gpuserve.repository.report import (
     index_rows,
     load_failed,
@@ -37,7 +37,7 @@ from gpuserve.repository.report import (
     model_status,
     model_summary,
 )
-from gpuserve.repository.residency import Limits
+from gpuserve.repository.ondemand.residency import Limits
 from gpuserve.repository.router import Router
 from gpuserve.repository.scan import Fingerprint, ModelEntry, read_model, scan_repository
 from gpuserve.repository.state import Model, ModelVersion, Route, VersionState
@@ -65,13 +65,13 @@ class ModelManager(Router):
         load_on_demand: Load models at their first request, not at start (pinned models
             and, in ``explicit`` mode, ``load_models`` still load at start, pinned).
         limits: Most models / memory per device loaded at once (see
-            :mod:`gpuserve.repository.residency`).
+            :mod:`gpuserve.repository.ondemand.residency`).
         idle_unload_s: Server default idle time before a model unloads, seconds (0: never).
         model_load_timeout_s: How long a request waits for its model to load, seconds.
 
     Attributes:
         on_demand: Load on demand, limits and idle unload
-            (:class:`~gpuserve.repository.ondemand.OnDemand`).
+            (:class:`~gpuserve.repository.ondemand.loader.OnDemand`).
     """
 
     def __init__(

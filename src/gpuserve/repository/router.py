@@ -23,7 +23,7 @@ from typing import NoReturn
 
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ModelNotFoundError, ModelNotReadyError
-from gpuserve.repository.loading import serving
+from gpuserve.repository.lifecycle.loading import serving
 from gpuserve.repository.report import model_status
 from gpuserve.repository.state import Model, ModelVersion, VersionState
 

@@ -29,7 +29,7 @@ from typing import Any
 from gpuserve.config import CONFIG_FILENAME, ModelConfig, load_model_config, parse_model_config
 from gpuserve.engine.warmup_samples import check_warmup_files
 from gpuserve.errors import ConfigError, ModelNotFoundError
-from gpuserve.repository.triton_config import (
+from gpuserve.repository.triton.config import (
     TRITON_CONFIG_FILENAME,
     is_triton_config,
     load_triton_config,
@@ -231,7 +231,7 @@ def read_model(path: Path, override: dict[str, Any] | None = None) -> ModelEntry
         path: The model folder.
         override: A complete model configuration to use instead of the folder's config file,
             as JSON: ``config.yaml``'s fields, or Triton's ModelConfig (told apart by
-            :func:`~gpuserve.repository.triton_config.is_triton_config`); or None.
+            :func:`~gpuserve.repository.triton.config.is_triton_config`); or None.
 
     Raises:
         ModelNotFoundError: no such model folder (or no ``config.yaml`` and no override).
@@ -286,7 +286,7 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
     model file), a canary that names a missing version, and, with ``check_model_files``, the
     backend's ``complete_config`` for each selected version (the check the server does before
     loading: declared tensors against an ONNX or ``torch.export`` file), then a trial load on
-    the CPU with the warm-up or one request of zeros (:mod:`gpuserve.repository.trial`: a
+    the CPU with the warm-up or one request of zeros (:mod:`gpuserve.repository.lifecycle.trial`: a
     ``model.py`` that does not import, a constructor that needs arguments, outputs that are
     not the declared ones).
 
@@ -296,7 +296,7 @@ def validate_repository(root: Path, check_model_files: bool = True) -> list[str]
     Raises:
         ConfigError: ``root`` is not a readable folder.
     """
-    from gpuserve.repository.trial import trial_problems  # loads backends: only here
+    from gpuserve.repository.lifecycle.trial import trial_problems  # loads backends: only here
 
     problems: list[str] = []
     entries = scan_repository(root)

@@ -1,6 +1,6 @@
 """The route decision: which READY version takes the requests that name no version, and the
 canary's share of them (pure; see :class:`~gpuserve.repository.state.Route` for the route a
-request reads, and :mod:`gpuserve.repository.planner` for the change that installs it).
+request reads, and :mod:`gpuserve.repository.lifecycle.planner` for the change that installs it).
 """
 
 from __future__ import annotations

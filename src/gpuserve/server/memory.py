@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from gpuserve.repository.footprint import measuring_now
+from gpuserve.repository.ondemand.footprint import measuring_now
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class TrimDriver:
         cpu_s: CPU seconds used so far (injected for tests).
         rss: Resident bytes (for the log and :attr:`records`).
         paused: True while trims must wait (default: a model load is being measured, see
-            :func:`gpuserve.repository.footprint.measuring_now`: a trim inside the window
+            :func:`gpuserve.repository.ondemand.footprint.measuring_now`: a trim inside the window
             would make the model look smaller by what the trim returned).
     """
 

@@ -25,7 +25,7 @@ from typing import Any
 from gpuserve.config import ServerConfig
 from gpuserve.errors import ConfigError
 from gpuserve.metrics import MetricsHttpServer, ServerMetrics
-from gpuserve.repository.devices import freeze_loaded_objects
+from gpuserve.repository.lifecycle.devices import freeze_loaded_objects
 from gpuserve.server import logs
 from gpuserve.server.batches import batch_api
 from gpuserve.server.grpc.server import GrpcServer

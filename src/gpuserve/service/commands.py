@@ -190,7 +190,7 @@ class RepositoryCommands:
         """Load or reload ``name`` (explicit mode), with ``config`` (the model configuration
         as a JSON object or a JSON string of one: ``config.yaml``'s fields, or Triton's
         ModelConfig JSON, told apart by
-        :func:`~gpuserve.repository.triton_config.is_triton_config`) in place of its config
+        :func:`~gpuserve.repository.triton.config.is_triton_config`) in place of its config
         file when given. With ``files`` (Triton's ``file:<path>`` parameters: contents by
         relative path, e.g. ``1/model.onnx``; ``config`` then required) the versions load
         from those files, written to a private temporary folder

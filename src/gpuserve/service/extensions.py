@@ -7,7 +7,7 @@ classification, and the server metadata that lists what is on.
   holds the CUDA regions (opened over CUDA IPC where torch sees a GPU; registration refused
   clearly on a CPU-only server).
 * :attr:`Extensions.traces` and :attr:`Extensions.logs`: Triton's trace and log settings
-  (see :mod:`gpuserve.service.runtime_settings`).
+  (see :mod:`gpuserve.service.tracing.runtime_settings`).
 * :meth:`Extensions.classify` turns the outputs a request asked ``classification: k`` of into
   their top-k classes, with labels from the output's ``label_filename`` (a file in the model
   folder).
@@ -22,11 +22,11 @@ from gpuserve.config import ModelConfig, ServerConfig
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.errors import ConfigError, InvalidInputError, PermissionDeniedError
 from gpuserve.repository.manager import ModelManager
-from gpuserve.service.classification import LabelFiles, classify
+from gpuserve.service.apis.classification import LabelFiles, classify
 from gpuserve.service.constants import EXTENSIONS
-from gpuserve.service.runtime_settings import LogSettings, TraceSettings
-from gpuserve.service.shared_memory import CudaSharedMemoryRegistry, SharedMemoryRegistry
-from gpuserve.service.trace_config import parse_trace_config
+from gpuserve.service.tracing.runtime_settings import LogSettings, TraceSettings
+from gpuserve.service.memory.shared_memory import CudaSharedMemoryRegistry, SharedMemoryRegistry
+from gpuserve.service.tracing.trace_config import parse_trace_config
 from gpuserve.service.views import ServerMetadata, Views
 
 #: Extensions every server has beyond :data:`~gpuserve.service.constants.EXTENSIONS`.
@@ -116,7 +116,7 @@ class Extensions:
         counts: Mapping[str, int],
     ) -> InferenceResponse:
         """``response`` with the outputs in ``counts`` answered as their top-k classes (see
-        :func:`gpuserve.service.classification.classify`).
+        :func:`gpuserve.service.apis.classification.classify`).
 
         Args:
             model: The model (its folder holds the label files).

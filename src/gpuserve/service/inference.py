@@ -60,7 +60,7 @@ from gpuserve.service.commands import RepositoryCommands
 from gpuserve.service.extensions import Extensions, ExtensionViews
 from gpuserve.service.lanes import LANE, PARAMETER, parse_lane
 from gpuserve.service.names import check_version_label
-from gpuserve.service.tracing import TracedStream
+from gpuserve.service.tracing.traces import TracedStream
 
 
 class WireRequest(Protocol):

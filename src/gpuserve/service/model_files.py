@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuserve.errors import InvalidInputError, RepositoryPollError
-from gpuserve.repository.triton_config import is_triton_config
+from gpuserve.repository.triton.config import is_triton_config
 
 logger = logging.getLogger(__name__)
 

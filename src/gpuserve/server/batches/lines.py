@@ -39,8 +39,8 @@ from gpuserve.server.http.openai_errors import error_answer
 from gpuserve.server.http.openai_generate import whole_answer
 from gpuserve.server.http.retrieval_api import RetrievalApi
 from gpuserve.server.security import Redactor
-from gpuserve.service.embeddings import EmbeddingsService
-from gpuserve.service.generation import GenerationService
+from gpuserve.service.apis.embeddings import EmbeddingsService
+from gpuserve.service.apis.generation import GenerationService
 from gpuserve.service.lanes import LANE
 
 Probe = Callable[[], bool]

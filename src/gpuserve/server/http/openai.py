@@ -14,7 +14,7 @@ Endpoints::
                                gpuserve.server.batches.api when the server has it)
 
 The wire is :mod:`gpuserve.protocol.openai_codec`; the work is
-:class:`~gpuserve.service.embeddings.EmbeddingsService`, whose every chunk is admitted by the
+:class:`~gpuserve.service.apis.embeddings.EmbeddingsService`, whose every chunk is admitted by the
 inference service (so it is batched, refused and counted exactly as V2 requests are). Errors
 are OpenAI's ``{"error": {...}}`` (see :mod:`gpuserve.server.http.openai_errors`). With an
 API token configured every ``/v1`` endpoint needs ``Authorization: Bearer <token>``, the same
@@ -61,7 +61,7 @@ from gpuserve.server.timing import (
     TOTAL_TIME_US_HEADER,
     microseconds,
 )
-from gpuserve.service.embeddings import (
+from gpuserve.service.apis.embeddings import (
     EmbeddingModelView,
     EmbeddingResult,
     EmbeddingsService,
@@ -69,7 +69,7 @@ from gpuserve.service.embeddings import (
 )
 from gpuserve.service.inference import InferenceService
 from gpuserve.service.outcome import AccessRecord
-from gpuserve.service.retrieval import KINDS, serves
+from gpuserve.service.apis.retrieval import KINDS, serves
 
 if TYPE_CHECKING:
     from gpuserve.server.batches.api import BatchApi

@@ -21,7 +21,7 @@ Endpoints (TEI's, as text-embeddings-inference serves them, and Cohere/Jina's re
 A TEI body may name its ``model``; without it the first model (by name) serving the kind
 answers. Scores are the sigmoid of a cross-encoder's logit (``raw_scores``: the logit), and
 per label the softmax of a classifier's logits (sigmoid for a multi-label model). Every call
-is served by :class:`~gpuserve.service.retrieval.RetrievalService` (or the embeddings
+is served by :class:`~gpuserve.service.apis.retrieval.RetrievalService` (or the embeddings
 service), so every row is admitted, batched, refused and counted as V2 requests are, a
 window of chunks at a time (other clients' requests are served between them). Errors are in
 each API's shape (:mod:`gpuserve.server.http.retrieval_errors`).
@@ -63,11 +63,11 @@ from gpuserve.server.timing import (
     TOTAL_TIME_US_HEADER,
     microseconds,
 )
-from gpuserve.service.embedding_models import count_pool
-from gpuserve.service.embeddings import EmbeddingsService
+from gpuserve.service.apis.embedding_models import count_pool
+from gpuserve.service.apis.embeddings import EmbeddingsService
 from gpuserve.service.inference import InferenceService, WireRequest
 from gpuserve.service.outcome import AccessRecord
-from gpuserve.service.retrieval import KINDS, Kind, RetrievalService, RowsResult
+from gpuserve.service.apis.retrieval import KINDS, Kind, RetrievalService, RowsResult
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 Header = tuple[bytes, bytes]

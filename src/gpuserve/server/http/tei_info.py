@@ -45,9 +45,9 @@ from gpuserve.server.http.retrieval_api import RetrievalApi
 from gpuserve.server.http.retrieval_errors import tei_error
 from gpuserve.server.http.routes import Answer, HttpError, Params
 from gpuserve.server.security import Redactor
-from gpuserve.service.embedding_models import embedding_spec
+from gpuserve.service.apis.embedding_models import embedding_spec
 from gpuserve.service.inference import InferenceService
-from gpuserve.service.retrieval import Kind, serves
+from gpuserve.service.apis.retrieval import Kind, serves
 
 MODELS_PREFIX = "/models/"
 ACTIONS = ("health", "info")

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpuserve.errors import ConfigError
-from gpuserve.service.otel import OtelSettings
+from gpuserve.service.tracing.otel import OtelSettings
 
 _GLOBAL = {"rate": "trace_rate", "level": "trace_level", "count": "trace_count"}
 _TRITON = {"file": "trace_file", "log-frequency": "log_frequency"}

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from gpuserve.config import ModelConfig
-from gpuserve.repository.residency import HOST
+from gpuserve.repository.ondemand.residency import HOST
 from gpuserve.repository.scan import ModelEntry
 
 #: How much of the on-disk size a declared precision keeps in memory.

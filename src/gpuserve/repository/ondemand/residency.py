@@ -2,7 +2,7 @@
 
 A pure policy over :class:`Resident` snapshots (no I/O, no awaits, no clock of its own: every
 time is an argument, seconds on one clock), carried out by
-:mod:`gpuserve.repository.ondemand`:
+:mod:`gpuserve.repository.ondemand.loader`:
 
 * :func:`make_room`: before a model loads, the least recently used models to unload so that
   the loaded count and the memory per device stay within :class:`Limits` once it has loaded,
@@ -278,7 +278,7 @@ def expected_memory(
 ) -> dict[str, int]:
     """What ``name`` is expected to hold once loaded, by device, bytes: its own last
     measurement, else ``estimate`` (its configured ``expected_memory_bytes``, or what its own
-    files tell: see :func:`gpuserve.repository.estimate.expected`), else nothing. Never
+    files tell: see :func:`gpuserve.repository.ondemand.estimate.expected`), else nothing. Never
     another model's measurement: one large model must not make every model never loaded look
     as large (and find no room)."""
     own = measured.get(name)

@@ -1,6 +1,6 @@
 """The executor: carries out the planner's plans on a :class:`Model` (the side effects).
 
-:meth:`Executor.reconcile` drives one change (see :mod:`gpuserve.repository.planner`):
+:meth:`Executor.reconcile` drives one change (see :mod:`gpuserve.repository.lifecycle.planner`):
 
 1. plan (what may serve, what would load) and apply the bookkeeping;
 2. load and warm up, round by round, what the plan asks for, beside what is serving (a
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.errors import ConfigError, InvalidInputError
-from gpuserve.repository.devices import release_device_memory
-from gpuserve.repository.loading import stop_version
-from gpuserve.repository.planner import (
+from gpuserve.repository.lifecycle.devices import release_device_memory
+from gpuserve.repository.lifecycle.loading import stop_version
+from gpuserve.repository.lifecycle.planner import (
     NOT_SELECTED,
     LoadResult,
     Settings,
@@ -35,7 +35,7 @@ from gpuserve.repository.planner import (
     snapshot,
 )
 from gpuserve.repository.report import model_status
-from gpuserve.repository.retry import RetryBackoff
+from gpuserve.repository.lifecycle.retry import RetryBackoff
 from gpuserve.repository.scan import ModelEntry, VersionFolder, read_version_folder
 from gpuserve.repository.state import Model, ModelVersion, Route, VersionState
 from gpuserve.repository.traffic import RoutePlan, plan_route, signature
@@ -55,7 +55,7 @@ class Change:
     Attributes:
         retry_failed: Load versions again that failed before with the same content. Without
             it (``poll``), such a version is tried again once its back-off has passed (see
-            :mod:`gpuserve.repository.retry`).
+            :mod:`gpuserve.repository.lifecycle.retry`).
         settled: ``poll``: the versions whose folder is the same as on the last scan (the
             others are left for a later scan); None: every folder is settled.
         require: This version must end up loaded, or nothing changes (ConfigError).
@@ -100,7 +100,7 @@ class Executor:
         self._stopped = stopped
 
     async def _stop(self, mv: ModelVersion, timeout_s: float) -> None:
-        """Drain and stop ``mv`` (see :func:`~gpuserve.repository.loading.stop_version`),
+        """Drain and stop ``mv`` (see :func:`~gpuserve.repository.lifecycle.loading.stop_version`),
         then tell the ``stopped`` hook."""
         runner = mv.runner
         await stop_version(mv, timeout_s)
@@ -269,7 +269,7 @@ class Executor:
     async def unload_all(self, model: Model, why: str, *, frozen: bool = True) -> None:
         """Take every READY version of ``model`` out of the route at once (new requests get
         503), then drain and unload them (:meth:`retire`; ``frozen``: see
-        :func:`~gpuserve.repository.devices.release_device_memory`)."""
+        :func:`~gpuserve.repository.lifecycle.devices.release_device_memory`)."""
         retiring = [mv for mv in model.versions.values() if mv.state is VersionState.READY]
         for mv in retiring:
             mv.state = VersionState.UNLOADING
@@ -381,7 +381,7 @@ def adopt(model: Model, settings: Settings) -> None:
 
 def reroute(model: Model, *, forward: bool) -> None:
     """Plan the route over ``model``'s READY versions and install it (see
-    :func:`~gpuserve.repository.planner.plan_route`)."""
+    :func:`~gpuserve.repository.lifecycle.planner.plan_route`)."""
     ready = {
         v: signature(mv.config)
         for v, mv in model.versions.items()

@@ -8,14 +8,14 @@ and ``sparse`` (text -> top-k term ids and weights).
 
 One call of N rows (a query against N passages is N pairs) is served as requests of the
 :class:`InferenceService`, never around it, like the embeddings API
-(:mod:`gpuserve.service.embeddings`):
+(:mod:`gpuserve.service.apis.embeddings`):
 
 1. the rows are ordered by length and cut into chunks of at most ``max_batch_size`` rows, so
    each chunk pads little (the model's admission step then measures every pair's tokens,
    which the dynamic batcher groups and bounds batches by, with other clients' requests);
 2. chunks are admitted (:meth:`InferenceService.admit`) and queued
    (:meth:`InferenceService.submit`) **at most :data:`WINDOW` at a time**
-   (:mod:`gpuserve.service.chunks`, as the embeddings service does): a request that arrives
+   (:mod:`gpuserve.service.apis.chunks`, as the embeddings service does): a request that arrives
    meanwhile waits for at most the chunks already queued (a batch or two) before its own
    rows run, while the instance always has the next chunk of the long call ready;
 3. the first chunk is routed (canary split, load on demand); the rest are pinned to the
@@ -41,8 +41,8 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
-from gpuserve.service.chunks import WINDOW, CallState, serve_chunks
-from gpuserve.service.embeddings import even_chunks
+from gpuserve.service.apis.chunks import WINDOW, CallState, serve_chunks
+from gpuserve.service.apis.embeddings import even_chunks
 from gpuserve.service.inference import InferenceService, WireRequest
 from gpuserve.service.lanes import LANE
 

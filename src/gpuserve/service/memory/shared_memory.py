@@ -17,10 +17,10 @@ Unregistering a region that a request in flight still reads or writes is safe: t
 holds a view, which keeps the mapping alive until the request ends (the mapping is closed when
 the last view goes).
 
-:class:`~gpuserve.service.cuda_shared_memory.CudaSharedMemoryRegistry` (re-exported here) holds
+:class:`~gpuserve.service.memory.cuda_shared_memory.CudaSharedMemoryRegistry` (re-exported here) holds
 the CUDA regions. System and CUDA region names share one namespace, as in Triton, and the
 codecs reach both through this registry's :meth:`SharedMemoryRegistry.view`: a CUDA region's
-range comes back as a :class:`~gpuserve.service.cuda_shared_memory.DeviceRange`, which the
+range comes back as a :class:`~gpuserve.service.memory.cuda_shared_memory.DeviceRange`, which the
 codecs use as they use a view (``toreadonly()`` for an input copies it device -> host once;
 slice assignment for an output copies it host -> device once).
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.service.cuda_shared_memory import (
+from gpuserve.service.memory.cuda_shared_memory import (
     CudaRegionStatus,
     CudaSharedMemoryRegistry,
     DeviceRange,
@@ -206,7 +206,7 @@ class SharedMemoryRegistry:
 
     def view(self, name: str, offset: int, byte_size: int) -> memoryview:
         """See :meth:`SharedMemoryReader.view`; a CUDA region's range is a
-        :class:`~gpuserve.service.cuda_shared_memory.DeviceRange` (what the codecs call on a
+        :class:`~gpuserve.service.memory.cuda_shared_memory.DeviceRange` (what the codecs call on a
         view, it has: ``toreadonly()`` and slice assignment)."""
         region = self._regions.get(name)
         if region is None and self.cuda is not None:

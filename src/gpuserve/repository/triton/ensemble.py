@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpuserve.repository.pbtxt import Message
+from gpuserve.repository.triton.pbtxt import Message
 
 if TYPE_CHECKING:
-    from gpuserve.repository.triton_config import _Mapper
+    from gpuserve.repository.triton.config import _Mapper
 
 
 def ensemble_section(mapper: _Mapper, msg: Message, backend: str) -> dict[str, Any]:

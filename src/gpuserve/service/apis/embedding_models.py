@@ -6,7 +6,7 @@ backend's ``feature-extraction`` task) into an :class:`EmbeddingSpec`: the tenso
 the text (or token ids) and the embedding, the widths it may be cut to, and where token counts
 come from. :func:`model_counter` gives a version's ``count_tokens(texts) -> list[int]`` (as its
 backend declared it at load) and :func:`count_pool` is the small
-thread pool long calls are counted on (see :mod:`gpuserve.service.embeddings`).
+thread pool long calls are counted on (see :mod:`gpuserve.service.apis.embeddings`).
 """
 
 from __future__ import annotations

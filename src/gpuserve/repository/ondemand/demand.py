@@ -1,17 +1,17 @@
 """The pure core of load on demand: what a request for a model that is not loaded gets.
 
-:func:`decide` is called by :class:`~gpuserve.repository.ondemand.OnDemand` (the asyncio
+:func:`decide` is called by :class:`~gpuserve.repository.ondemand.loader.OnDemand` (the asyncio
 driver) each time a load on demand may start, and by the randomised tests on a fake clock.
 It reads only its arguments (no I/O, no clock of its own; times are seconds on the clock of
-:class:`~gpuserve.repository.retry.RetryBackoff`):
+:class:`~gpuserve.repository.lifecycle.retry.RetryBackoff`):
 
 1. **Back-off.** When every version the load would load failed with the folder content and
    the configuration it has now and the back-off has not passed, the request is refused at
    once (503) naming the last error and when the next attempt is due. Nothing is evicted for
    it. A change to its files or its configuration, or an explicit load, ends the back-off.
-2. **Room.** Otherwise :func:`~gpuserve.repository.residency.make_room` picks what to evict.
+2. **Room.** Otherwise :func:`~gpuserve.repository.ondemand.residency.make_room` picks what to evict.
    A model larger than the whole memory limit is served alone
-   (:attr:`~gpuserve.repository.residency.Room.alone`).
+   (:attr:`~gpuserve.repository.ondemand.residency.Room.alone`).
 3. **Permanent or not.** When no room can be made and only pinned models stand in the way,
    waiting cannot help: the request is refused at once naming the limit. When busy models
    stand in the way, the request waits (up to its deadline) and the driver asks again.
@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from gpuserve.repository.residency import Limits, Resident, Room, make_room
-from gpuserve.repository.retry import Failure
+from gpuserve.repository.ondemand.residency import Limits, Resident, Room, make_room
+from gpuserve.repository.lifecycle.retry import Failure
 
 #: Refusal reasons (``gpuserve_model_load_refusals_total{reason}``).
 BACKOFF = "backoff"
@@ -86,10 +86,10 @@ def decide(
         name: The model.
         residents: Every loaded or loading model.
         need: Its expected memory by device, bytes (see
-            :func:`~gpuserve.repository.residency.expected_memory`).
+            :func:`~gpuserve.repository.ondemand.residency.expected_memory`).
         limits: The limits.
         failure: The failure that holds its load back now
-            (:meth:`~gpuserve.repository.retry.RetryBackoff.blocking`), or None.
+            (:meth:`~gpuserve.repository.lifecycle.retry.RetryBackoff.blocking`), or None.
         now_s: Now, seconds on the back-off's clock.
 
     Returns:

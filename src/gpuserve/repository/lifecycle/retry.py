@@ -2,7 +2,7 @@
 
 One record and one back-off for every path that loads: a ``poll``, a request under load on
 demand (which is answered at once with the last error while the back-off lasts, see
-:mod:`gpuserve.repository.demand`) and an explicit ``load`` (which always tries at once and
+:mod:`gpuserve.repository.ondemand.demand`) and an explicit ``load`` (which always tries at once and
 counts as an attempt).
 
 A load can fail for a reason that goes away by itself (a file still being copied by another

@@ -12,8 +12,8 @@ server-wide ones key by key; setting a model key to no value (JSON ``null``, an 
 list) clears it back to the server-wide value.
 
 The settings choose which requests are traced (:meth:`TraceSettings.start`, at admission);
-:mod:`gpuserve.service.tracing` holds the traces and the two sinks: Triton's JSON lines in
-``trace_file``, and OpenTelemetry spans (:mod:`gpuserve.service.otel`). Requests that are
+:mod:`gpuserve.service.tracing.traces` holds the traces and the two sinks: Triton's JSON lines in
+``trace_file``, and OpenTelemetry spans (:mod:`gpuserve.service.tracing.otel`). Requests that are
 not traced get no trace object; with tracing off the service does not even ask. Per-batch
 profiles with ``torch.profiler`` stay on ``POST /v2/repository/models/{m}/trace``; NVTX
 ranges are always on under CUDA.
@@ -36,8 +36,8 @@ from pathlib import Path
 
 from gpuserve.engine import tracing as engine_tracing
 from gpuserve.errors import InvalidInputError
-from gpuserve.service.otel import OtelSettings
-from gpuserve.service.tracing import JsonLinesSink, Traced, TraceSink, next_trace_id
+from gpuserve.service.tracing.otel import OtelSettings
+from gpuserve.service.tracing.traces import JsonLinesSink, Traced, TraceSink, next_trace_id
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class TraceSettings:
         self._lock = threading.Lock()
         self._otel: TraceSink | None = None
         if mode == "opentelemetry":
-            from gpuserve.service.otel import OtelSink  # the tracing extra, only in this mode
+            from gpuserve.service.tracing.otel import OtelSink  # the tracing extra, only in this mode
 
             self._otel = OtelSink(otel or OtelSettings())
         if initial:

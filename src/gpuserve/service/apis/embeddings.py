@@ -4,7 +4,7 @@ A model serves embeddings (the OpenAI-compatible ``/v1/embeddings`` and ``/v1/mo
 its configuration says which input takes text (or token ids) and which output is the
 embedding: an ``embedding:`` section (:class:`~gpuserve.config.EmbeddingConfig`; the default
 repository's ``text_embedding`` has one), or automatically for the ``huggingface`` backend's
-``feature-extraction`` task. :func:`~gpuserve.service.embedding_models.embedding_spec`
+``feature-extraction`` task. :func:`~gpuserve.service.apis.embedding_models.embedding_spec`
 resolves that declaration against the configuration a version is served with (names of that
 module are re-exported here).
 
@@ -18,8 +18,8 @@ One call of N inputs is served as requests of the :class:`InferenceService`, nev
 3. each chunk is admitted with :meth:`InferenceService.admit` (resolve, canary split, decode
    against the routed version, shutdown refusal, all counted there) and queued with
    :meth:`InferenceService.submit`, so it joins the model's dynamic batcher with V2 traffic
-   and is counted as one request of that many rows; at most :data:`~gpuserve.service.chunks.
-   WINDOW` chunks of a call are queued or running at once (:mod:`gpuserve.service.chunks`),
+   and is counted as one request of that many rows; at most :data:`~gpuserve.service.apis.chunks.
+   WINDOW` chunks of a call are queued or running at once (:mod:`gpuserve.service.apis.chunks`),
    so a long call's rows are interleaved with other clients' requests. The first chunk is
    routed (a canary takes it by a hash of the call's routing id); the rest are pinned to the
    version that took it, so one answer never mixes versions; each carries the client's
@@ -59,8 +59,8 @@ import numpy as np
 
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.errors import BackendError, ConfigError, GpuserveError, ModelNotFoundError
-from gpuserve.service.chunks import WINDOW, CallState, serve_chunks
-from gpuserve.service.embedding_models import (
+from gpuserve.service.apis.chunks import WINDOW, CallState, serve_chunks
+from gpuserve.service.apis.embedding_models import (
     COUNT_WORKERS,
     EmbeddingInputError,
     EmbeddingSpec,

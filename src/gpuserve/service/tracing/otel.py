@@ -34,7 +34,7 @@ from typing import Any
 
 from gpuserve.backends.optional import require
 from gpuserve.engine.request import InferenceResponse
-from gpuserve.service.tracing import Traced, stage_stamps
+from gpuserve.service.tracing.traces import Traced, stage_stamps
 
 logger = logging.getLogger(__name__)
 

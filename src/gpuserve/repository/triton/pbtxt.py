@@ -4,7 +4,7 @@ gpuserve ships only the part of Triton's ``ModelConfig`` message that it serves,
 ``config.pbtxt`` is not parsed into that message (``text_format`` would stop at the first
 field it lacks, with no chance to say *why* the field is refused). It is read here, with
 ``google.protobuf.text_format``'s tokenizer, into a schema-free tree that
-:mod:`gpuserve.repository.triton_config` maps, field by field, onto gpuserve's
+:mod:`gpuserve.repository.triton.config` maps, field by field, onto gpuserve's
 :class:`~gpuserve.config.ModelConfig`, naming every field it cannot serve.
 
 The tree: a message is a ``dict`` of field name -> ``list`` of values (a field may repeat);

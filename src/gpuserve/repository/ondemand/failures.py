@@ -1,6 +1,6 @@
 """What the shared failure record says about a model that is not loaded (load on demand).
 
-Reads of :class:`~gpuserve.repository.retry.RetryBackoff` (the one record polls, explicit
+Reads of :class:`~gpuserve.repository.lifecycle.retry.RetryBackoff` (the one record polls, explicit
 loads and loads on demand keep) against a model's folder and configuration as scanned now:
 whether a failed load holds the next one back, the 503 of a load that just failed, and the
 readiness of a model whose last load failed.
@@ -9,9 +9,9 @@ readiness of a model whose last load failed.
 from __future__ import annotations
 
 from gpuserve.errors import GpuserveError, ModelNotReadyError
-from gpuserve.repository import demand
+from gpuserve.repository.ondemand import demand
 from gpuserve.repository.report import model_status
-from gpuserve.repository.retry import Failure, RetryBackoff
+from gpuserve.repository.lifecycle.retry import Failure, RetryBackoff
 from gpuserve.repository.scan import Fingerprint, ModelEntry, read_model
 from gpuserve.repository.state import Model
 

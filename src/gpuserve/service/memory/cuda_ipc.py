@@ -7,7 +7,7 @@ opens it once (``cudaIpcOpenMemHandle``), which maps the same device memory into
 address space, and reads inputs from it or writes outputs into it by offset.
 
 :class:`CudaIpcDriver` is the small interface the registry
-(:mod:`gpuserve.service.cuda_shared_memory`) needs. :class:`CudaRuntimeDriver` implements it
+(:mod:`gpuserve.service.memory.cuda_shared_memory`) needs. :class:`CudaRuntimeDriver` implements it
 with ``ctypes`` on the CUDA runtime library torch already ships (``libcudart.so.*``); it is
 chosen only where ``torch.cuda.is_available()`` (:func:`load_cuda_driver`). Tests inject a fake
 driver with host memory instead, so the same registry code runs on a CPU.

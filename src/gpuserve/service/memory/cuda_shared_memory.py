@@ -3,7 +3,7 @@
 A client registers a device allocation under a name with its ``cudaIpcMemHandle_t`` (64
 bytes), its device and a byte size; requests then name the region, an offset into it and a
 byte size per input or output instead of carrying the bytes. The registry opens each handle
-once through a :class:`~gpuserve.service.cuda_ipc.CudaIpcDriver` and closes it when the region
+once through a :class:`~gpuserve.service.memory.cuda_ipc.CudaIpcDriver` and closes it when the region
 is unregistered.
 
 gpuserve's engine hands host arrays to the backends, so an input is copied device -> host once
@@ -11,7 +11,7 @@ gpuserve's engine hands host arrays to the backends, so an input is copied devic
 encoded array; :meth:`CudaSharedMemoryRegistry.tensor` is the no-copy path (a torch tensor
 aliasing the client's memory) for a torch backend on the same device.
 
-The driver is the CUDA runtime (:func:`~gpuserve.service.cuda_ipc.load_cuda_driver`) where torch
+The driver is the CUDA runtime (:func:`~gpuserve.service.memory.cuda_ipc.load_cuda_driver`) where torch
 sees a CUDA device, resolved at the first registration; a test or an embedding application
 sets :attr:`CudaSharedMemoryRegistry.driver` (e.g. a fake over host memory) before that. On a
 server without CUDA, status and unregister answer (nothing is registered) and registration is
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.service.cuda_ipc import (
+from gpuserve.service.memory.cuda_ipc import (
     IPC_HANDLE_BYTES,
     CudaIpcDriver,
     CudaIpcError,

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
-from gpuserve.repository.residency import HOST
+from gpuserve.repository.ondemand.residency import HOST
 
 
 def host_rss_bytes() -> int:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpuserve.repository.pbtxt import Message
-    from gpuserve.repository.triton_config import _Mapper
+    from gpuserve.repository.triton.pbtxt import Message
+    from gpuserve.repository.triton.config import _Mapper
 
 _KINDS = {
     "CONTROL_SEQUENCE_START": "start",

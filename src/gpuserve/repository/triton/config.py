@@ -12,7 +12,7 @@ backend's own file name), ``optimization.cuda.graphs`` and the pinned-memory swi
 pins host buffers anyway). ``model_warmup`` maps onto the ``model_warmup`` section (run on
 every instance before the version serves, see :mod:`gpuserve.config.warmup`).
 ``platform: "ensemble"`` with ``ensemble_scheduling`` maps onto the ``ensemble`` section
-(:mod:`gpuserve.repository.triton_ensemble`).
+(:mod:`gpuserve.repository.triton.ensemble`).
 
 Everything else gets a :class:`~gpuserve.errors.ConfigError` that names the file and the
 field (
@@ -30,9 +30,9 @@ from gpuserve.config import ModelConfig, parse_model_config
 from gpuserve.config.reshape import reshape_problem
 from gpuserve.datatypes import TRITON_DATATYPES
 from gpuserve.errors import ConfigError
-from gpuserve.repository.pbtxt import Message, Value, read_pbtxt
-from gpuserve.repository.triton_ensemble import ensemble_section
-from gpuserve.repository.triton_sequence import sequence_batching
+from gpuserve.repository.triton.pbtxt import Message, Value, read_pbtxt
+from gpuserve.repository.triton.ensemble import ensemble_section
+from gpuserve.repository.triton.sequence import sequence_batching
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Request traces: one trace object per sampled request, recorded by one of two sinks.
 
-:class:`~gpuserve.service.runtime_settings.TraceSettings` (Triton's trace settings) decides
+:class:`~gpuserve.service.tracing.runtime_settings.TraceSettings` (Triton's trace settings) decides
 which requests are traced and makes a :class:`Traced` for each, which the service puts on the
 request (``InferenceRequest.trace``); the engine nests the trace of an ensemble step or a BLS
 call under it (:meth:`Traced.child`), and whoever answers a traced request ends its trace
@@ -9,7 +9,7 @@ call under it (:meth:`Traced.child`), and whoever answers a traced request ends 
 * :class:`JsonLinesSink` (``trace_mode`` ``triton``): one JSON line per request in the trace
   file, Triton's timestamps (``QUEUE_START``, ``COMPUTE_START``, ``COMPUTE_END``,
   ``REQUEST_END``), and ``parent_id`` for a step or a call under another request;
-* :class:`~gpuserve.service.otel.OtelSink` (``opentelemetry``): a span per request with child
+* :class:`~gpuserve.service.tracing.otel.OtelSink` (``opentelemetry``): a span per request with child
   spans for its stages, exported over OTLP/HTTP.
 
 A request's stages are derived from the engine's timing when it is answered (no clock reads

@@ -1,8 +1,8 @@
 """Routing settings of the rollback and canary commands, as pure functions.
 
-Each command changes a model's :class:`~gpuserve.repository.planner.Settings` (held back
+Each command changes a model's :class:`~gpuserve.repository.lifecycle.planner.Settings` (held back
 versions, canary, rollback history) and then runs one change (the reconcile of
-:mod:`gpuserve.repository.planner`) that must end with the version it names serving;
+:mod:`gpuserve.repository.lifecycle.planner`) that must end with the version it names serving;
 otherwise the settings it started from come back. Holds keep the version policy from serving
 a version it would otherwise pick (the newest) until the model is loaded explicitly, a canary
 of it is promoted, or its folder changes.
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from gpuserve.config import CanaryConfig
 from gpuserve.errors import ConfigError, InvalidInputError, ModelNotFoundError
-from gpuserve.repository.planner import Settings
+from gpuserve.repository.lifecycle.planner import Settings
 from gpuserve.repository.scan import VersionFolder
 
 

@@ -23,7 +23,7 @@ from gpuserve.engine.instance import Instance, resolve_pipeline_depth
 from gpuserve.engine.runners.ensemble import StepRouter
 from gpuserve.engine.runners.factory import BatchRelay, build_runner
 from gpuserve.errors import ModelNotReadyError
-from gpuserve.repository.devices import instance_devices
+from gpuserve.repository.lifecycle.devices import instance_devices
 from gpuserve.repository.state import ModelVersion, VersionState
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The reconcile planner: what a lifecycle change should do, as pure functions of state.
 
 Every change of a model (start-up, the repository API, the poll loop, rollback, canary) is
-planned here and carried out by :mod:`gpuserve.repository.executor`. The planner reads a
+planned here and carried out by :mod:`gpuserve.repository.lifecycle.executor`. The planner reads a
 :class:`ModelState` snapshot and the scanned version folders and returns typed plans; it does
 no I/O, never awaits and changes nothing, so its invariants are table tests.
 
@@ -17,7 +17,7 @@ A change is planned in steps, because what loads decides what switches:
    installed in one synchronous step.
 
 The routing settings (holds, canary, rollback history) that rollback and canary commands set
-before a change are planned in :mod:`gpuserve.repository.rollout`.
+before a change are planned in :mod:`gpuserve.repository.lifecycle.rollout`.
 """
 
 from __future__ import annotations

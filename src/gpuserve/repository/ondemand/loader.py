@@ -1,14 +1,14 @@
 """Loading models at their first request, within limits, and unloading idle ones.
 
-:class:`OnDemand` carries out :mod:`gpuserve.repository.residency`'s decisions for the model
+:class:`OnDemand` carries out :mod:`gpuserve.repository.ondemand.residency`'s decisions for the model
 manager:
 
 * :meth:`OnDemand.cold` (request path, a dict lookup): whether a request for a model must
   wait for a load first (``load_on_demand``, or a model that was evicted or unloaded idle);
 * :meth:`OnDemand.ensure_loaded`: one load per model however many requests wait for it (they
   share it, each up to its own deadline), as the pure core decides
-  (:func:`~gpuserve.repository.demand.decide`): refused at once while the back-off of a
-  failed load lasts (the shared record of :mod:`gpuserve.repository.retry`) or when only
+  (:func:`~gpuserve.repository.ondemand.demand.decide`): refused at once while the back-off of a
+  failed load lasts (the shared record of :mod:`gpuserve.repository.lifecycle.retry`) or when only
   pinned models leave no room; otherwise the least recently used models with nothing queued
   or running are unloaded (drained, as any unload) until the limits leave room, a model
   larger than the memory limit being served alone; if busy models stand in the way it waits
@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from gpuserve.errors import ModelNotReadyError
-from gpuserve.repository import demand, estimate, failures, footprint, residency
-from gpuserve.repository.devices import cuda_device_count
-from gpuserve.repository.executor import Change, take_config
-from gpuserve.repository.held_arrays import held_bytes
-from gpuserve.repository.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
-from gpuserve.repository.retry import Failure
+from gpuserve.repository.ondemand import demand, estimate, failures, footprint, residency
+from gpuserve.repository.lifecycle.devices import cuda_device_count
+from gpuserve.repository.lifecycle.executor import Change, take_config
+from gpuserve.repository.ondemand.held_arrays import held_bytes
+from gpuserve.repository.ondemand.residency import HOST, IDLE, LRU, MEMORY, Limits, Resident
+from gpuserve.repository.lifecycle.retry import Failure
 from gpuserve.repository.scan import ModelEntry, read_model
 from gpuserve.repository.state import Model, VersionState
 
@@ -309,13 +309,13 @@ class OnDemand:
 
     def holding(self, entry: ModelEntry) -> Failure | None:
         """The failure whose back-off holds back a load of ``entry``'s model now, or None
-        (see :func:`gpuserve.repository.failures.holding`)."""
+        (see :func:`gpuserve.repository.ondemand.failures.holding`)."""
         return failures.holding(self.manager._executor.retry, entry)
 
     def expected_memory(self, name: str, entry: ModelEntry | None) -> dict[str, int]:
         """What ``name`` is expected to hold once loaded, by device, bytes: its own last
         measurement, else its configured ``expected_memory_bytes`` or its files' estimate
-        (:mod:`gpuserve.repository.estimate`), never another model's."""
+        (:mod:`gpuserve.repository.ondemand.estimate`), never another model's."""
         if self._gpus is None:
             self._gpus = cuda_device_count()
         guess = estimate.expected(entry, self._gpus) if entry is not None else {}
@@ -324,7 +324,7 @@ class OnDemand:
     def ready_reason(self, name: str) -> str | None:
         """For a model that is not loaded and that a request would load: None when such a
         request would load it now (its readiness answers ready), else why not (see
-        :func:`gpuserve.repository.failures.ready_reason`)."""
+        :func:`gpuserve.repository.ondemand.failures.ready_reason`)."""
         model = self.manager.models.get(name)
         if model is None:
             return None
@@ -348,7 +348,7 @@ class OnDemand:
                 before = footprint.sample()
                 # without retry_failed, a failed version loads again when its back-off has
                 # passed or its folder changed (the record polls and explicit loads share:
-                # gpuserve.repository.retry); with it (a changed configuration), every
+                # gpuserve.repository.lifecycle.retry); with it (a changed configuration), every
                 # version tries again
                 change = Change(retry_failed=retry_failed)
                 await manager._executor.reconcile(model, entry, change)
