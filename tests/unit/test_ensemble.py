@@ -421,3 +421,18 @@ def test_decoupled_step_models_are_refused():
     decoupled = step("f", ["X"], ["Y"]) + "model_transaction_policy: {decoupled: true}\n"
     problems = step_problems(ens, steps_of(ens, {**STEPS, "f": decoupled}))
     assert any("ensemble.steps[2] (model 'f'): model 'f' is decoupled" in p for p in problems)
+
+
+def test_statistics_are_one_type_tagged_by_their_steps():
+    """An ensemble's statistics are a ModelStats whose ``ensemble_steps`` is set (no subclass
+    carries the mode); every other model's JSON has no ``ensemble_steps``."""
+    from gpuserve.engine.stats import ModelStats, StepStats
+
+    plain = ModelStats("m", "1")
+    assert "ensemble_steps" not in plain.as_dict()
+    steps = [StepStats(0, "a"), StepStats(1, "b")]
+    steps[1].fail.add(0.5)
+    whole = ModelStats("e", "1", ensemble_steps=steps)
+    assert type(whole) is ModelStats
+    listed = whole.as_dict()["ensemble_steps"]
+    assert [(s["step"], s["model"], s["fail"]["count"]) for s in listed] == [(0, "a", 0), (1, "b", 1)]

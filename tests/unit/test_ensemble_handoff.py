@@ -20,7 +20,6 @@ from gpuserve.backends import tensors
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import parse_model_config
 from gpuserve.engine.assembly import (
-    HandoffRequest,
     OutputSpec,
     check_outputs,
     kept_tensors,
@@ -78,8 +77,8 @@ def client(inputs: dict[str, Any], outputs: list[str] | None = None) -> Inferenc
     return InferenceRequest("m", None, inputs, requested_outputs=outputs)
 
 
-def step(inputs: dict[str, Any], keep: frozenset[str] = frozenset()) -> HandoffRequest:
-    return HandoffRequest("m", None, inputs, keep_tensors=keep)
+def step(inputs: dict[str, Any], keep: frozenset[str] = frozenset()) -> InferenceRequest:
+    return InferenceRequest("m", None, inputs, keep_tensors=keep)
 
 
 def test_kept_tensors_and_wants_tensors():
@@ -341,7 +340,7 @@ def test_the_scheduler_hands_tensors_between_torch_steps_and_answers_numpy():
     np.testing.assert_allclose(response.outputs["OUT"], t * 2 + t)
     assert all(isinstance(v, np.ndarray) for v in response.outputs.values())
     a, b, c = (steps[n].requests[0] for n in "abc")
-    assert isinstance(a, HandoffRequest) and a.keep_tensors == {"Y"}
+    assert a.keep_tensors == {"Y"}
     assert isinstance(b.inputs["X"], torch.Tensor)
     assert isinstance(c.inputs["X"], torch.Tensor) and isinstance(c.inputs["W"], torch.Tensor)
     assert kept_tensors(c) == frozenset()

@@ -12,8 +12,8 @@ Arrays are numpy arrays with the batch dimension first when the model batches
 count is computed once, at admission (:func:`request_rows`, kept in ``Pending.rows``); the
 split uses it instead of looking at the arrays again.
 
-Device hand-off (ensembles): a :class:`HandoffRequest` (an ensemble step's request) may carry
-``torch.Tensor`` inputs and take some outputs back as tensors. For a batch holding one
+Device hand-off (ensembles): an ensemble step's request may carry ``torch.Tensor`` inputs
+and take the outputs named in its ``keep_tensors`` back as tensors. For a batch holding one
 (:func:`wants_tensors`) the instance asks its backend for device outputs
 (``Backend.postprocess_tensors``); :func:`split_outputs` then gives each request tensors only
 for the outputs it keeps, and host arrays (converted once per batch) for the rest.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -84,22 +84,9 @@ class OutputSpec:
         )
 
 
-@dataclass(slots=True, eq=False)
-class HandoffRequest(InferenceRequest):
-    """A request made inside the server (an ensemble step) whose inputs may be torch tensors
-    and which takes the outputs named in ``keep_tensors`` as tensors on the producing device.
-
-    Attributes:
-        keep_tensors: Output names it takes as ``torch.Tensor`` when the backend gives them;
-            every other output comes back as a numpy array, as for any request.
-    """
-
-    keep_tensors: frozenset[str] = field(default_factory=frozenset)
-
-
 def kept_tensors(request: InferenceRequest) -> frozenset[str]:
     """The outputs ``request`` takes as device tensors (empty for a client's request)."""
-    return request.keep_tensors if isinstance(request, HandoffRequest) else frozenset()
+    return request.keep_tensors
 
 
 def wants_tensors(items: Sequence[Pending]) -> bool:
@@ -107,7 +94,7 @@ def wants_tensors(items: Sequence[Pending]) -> bool:
     calls ``Backend.postprocess_tensors`` instead of ``postprocess``."""
     for item in items:  # a loop, not any(genexpr): this runs for every batch
         request = item.request
-        if isinstance(request, HandoffRequest) and request.keep_tensors:
+        if request.keep_tensors:
             return True
     return False
 

@@ -106,6 +106,9 @@ class InferenceRequest:
             answer (a model's call with a timeout), or None: until answered. Calls the
             request's model makes while it runs pass it on, and are refused once it has
             passed (:mod:`gpuserve.backends.call_scope`).
+        keep_tensors: Output names it takes as ``torch.Tensor`` on the producing device when
+            the backend gives them (an ensemble step whose consumer takes device tensors);
+            empty for a client's request: every output comes back as a numpy array.
     """
 
     model_name: str
@@ -122,6 +125,7 @@ class InferenceRequest:
     awaited_until: float | None = None
     generation: GenerationInput | None = None
     lane: Lane = "interactive"
+    keep_tensors: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)

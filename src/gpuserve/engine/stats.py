@@ -101,12 +101,54 @@ def _response_stats() -> ResponseStats:
     return ResponseStats()
 
 
+@dataclass(slots=True)
+class StepStats:
+    """Cumulative statistics of one step of an ensemble version.
+
+    Attributes:
+        index / model: The step and its model.
+        success: Step requests that succeeded, and their time from submission to answer.
+        fail: Step requests that failed (or timed out), and their time.
+        queue / compute: Of the successes: time queued in the step model's batcher, and its
+            batch's execution time.
+        tensor_inputs: Inputs of its step requests handed over as device tensors (no host
+            round trip).
+        host_copies: Inputs that arrived as tensors but had to be moved to the host for it
+            (its model stopped taking tensors on that device since the producer ran).
+    """
+
+    index: int
+    model: str
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute: Duration = field(default_factory=Duration)
+    tensor_inputs: int = 0
+    host_copies: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON form, in the shape of the statistics extension's durations."""
+        return {
+            "step": self.index,
+            "model": self.model,
+            "success": self.success.as_dict(),
+            "fail": self.fail.as_dict(),
+            "queue": self.queue.as_dict(),
+            "compute": self.compute.as_dict(),
+            "tensor_inputs": self.tensor_inputs,
+            "host_copies": self.host_copies,
+        }
+
+
 @dataclass
 class ModelStats:
     """Cumulative statistics of one model version, shaped like Triton's statistics extension.
 
     ``inference_count`` counts rows that succeeded; ``execution_count`` counts batches run.
     ``fail_reasons`` counts failures by reason (invalid, rejected, timeout, backend_error...).
+    ``ensemble_steps`` is an ensemble version's per-step record (None for every other
+    model): its ``execution_count`` counts the ensemble requests run, the steps' own
+    executions count in their models' statistics.
     """
 
     name: str
@@ -125,6 +167,7 @@ class ModelStats:
     listeners: list[StatsListener] = field(default_factory=list)
     #: Per response index of decoupled streams (Triton's ``response_stats``).
     responses: ResponseStats = field(default_factory=_response_stats)
+    ensemble_steps: list[StepStats] | None = None
 
     def record_batch(self, event: BatchStats) -> None:
         """Count one executed batch (``event.batch_size`` rows) and tell the listeners."""
@@ -182,4 +225,8 @@ class ModelStats:
                 for size, s in sorted(self.batch_sizes.items())
             ],
             "response_stats": self.responses.as_dict(),
-        }
+        } | (
+            {}
+            if self.ensemble_steps is None
+            else {"ensemble_steps": [s.as_dict() for s in self.ensemble_steps]}
+        )

@@ -5,7 +5,7 @@ A step output is handed on as a tensor (no host round trip, no re-encoding) when
 producer's backend gives tensors (``Backend.gives_tensors``: the torch backend), every step
 consuming it takes tensors (``Backend.takes_tensors``), producer and consumers all run on one
 same single device, and it is not an ensemble output (clients get numpy arrays). Its step
-request is then a :class:`~gpuserve.engine.assembly.HandoffRequest` that keeps it; the
+request then names it in ``keep_tensors`` (a field of every request, empty for clients'); the
 producing instance returns it as a tensor and batch assembly concatenates it for the consumer
 with ``torch.cat`` on the device. Every other output is moved to the host once, by the
 producing instance.
@@ -26,8 +26,8 @@ from typing import Any
 
 from gpuserve.backends import tensors as _tensors
 from gpuserve.engine.ensemble.plan import EnsemblePlan
-from gpuserve.engine.ensemble.stats import StepStats
 from gpuserve.engine.runners.base import VersionRunner
+from gpuserve.engine.stats import StepStats
 
 
 @dataclass(frozen=True, slots=True)

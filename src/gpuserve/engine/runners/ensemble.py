@@ -37,10 +37,9 @@ from typing import Any, Protocol
 from gpuserve.backends import tensors as _tensors
 from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
-from gpuserve.engine.assembly import HandoffRequest, OutputSpec, check_outputs, request_rows
+from gpuserve.engine.assembly import OutputSpec, check_outputs, request_rows
 from gpuserve.engine.ensemble.handoff import HandoffDecision, host_inputs
 from gpuserve.engine.ensemble.plan import EnsemblePlan, EnsembleRun
-from gpuserve.engine.ensemble.stats import EnsembleStats, StepStats
 from gpuserve.engine.request import (
     InferenceRequest,
     InferenceResponse,
@@ -48,7 +47,7 @@ from gpuserve.engine.request import (
     end_trace_with,
 )
 from gpuserve.engine.runners.base import VersionRunner
-from gpuserve.engine.stats import RequestStats
+from gpuserve.engine.stats import ModelStats, RequestStats, StepStats
 from gpuserve.errors import (
     BackendError,
     CancelledRequestError,
@@ -132,7 +131,8 @@ class EnsembleRunner(VersionRunner):
 
     Attributes:
         plan: The step DAG.
-        stats: An :class:`EnsembleStats` (the whole and per step).
+        stats: The version's statistics, the whole and (``ensemble_steps``) each step's.
+        step_stats: Each step's statistics (the same objects as ``stats.ensemble_steps``).
     """
 
     kind = "ensemble"
@@ -149,9 +149,8 @@ class EnsembleRunner(VersionRunner):
         self.plan = EnsemblePlan.of(config)
         self.router = router
         self._outputs = OutputSpec.of(config)
-        stats = EnsembleStats(self.name, version)
-        stats.steps = [StepStats(s.index, s.model) for s in self.plan.steps]
-        self.stats = stats
+        self.step_stats = [StepStats(s.index, s.model) for s in self.plan.steps]
+        self.stats = ModelStats(self.name, version, ensemble_steps=self.step_stats)
         self._step_timeout_s = config.ensemble.step_timeout_s or None
         self._runs: set[_Run] = set()
         self._closing = False
@@ -233,11 +232,9 @@ class EnsembleRunner(VersionRunner):
         return self._handoff.keep([self._served(s.model, s.version) for s in self.plan.steps])
 
     def _step_inputs(self, run: _Run, index: int, runner: VersionRunner) -> dict[str, Any]:
-        stats = self.stats
-        assert isinstance(stats, EnsembleStats)
         state = run.state
         inputs = state.step_inputs(index)
-        return host_inputs(self.plan, index, inputs, state.tensors, runner, stats.steps[index])
+        return host_inputs(self.plan, index, inputs, state.tensors, runner, self.step_stats[index])
 
     def _launch(self, run: _Run, indices: list[int]) -> None:
         for index in indices:
@@ -270,7 +267,7 @@ class EnsembleRunner(VersionRunner):
             trace = request.trace.child(step.model, step.version, "ensemble_step")
         try:
             runner = self.router.runner(step.model, step.version)
-            step_request = HandoffRequest(
+            step_request = InferenceRequest(
                 model_name=step.model,
                 model_version=step.version,
                 inputs=self._step_inputs(run, index, runner),
@@ -306,9 +303,7 @@ class EnsembleRunner(VersionRunner):
             timer.cancel()
         if run.over:
             return
-        stats = self.stats
-        assert isinstance(stats, EnsembleStats)
-        step_stats = stats.steps[index]
+        step_stats = self.step_stats[index]
         elapsed = self.clock() - run.step_started.get(index, run.started)
         if future.cancelled():
             step_stats.fail.add(elapsed)
@@ -339,9 +334,7 @@ class EnsembleRunner(VersionRunner):
         run.timers.pop(index, None)
         if run.over or index not in run.steps:
             return
-        stats = self.stats
-        assert isinstance(stats, EnsembleStats)
-        stats.steps[index].fail.add(self.clock() - run.step_started.get(index, run.started))
+        self.step_stats[index].fail.add(self.clock() - run.step_started.get(index, run.started))
         self._fail(
             run,
             index,
@@ -449,9 +442,7 @@ def is_ensemble(config: ModelConfig) -> bool:
 
 __all__ = [
     "EnsembleRunner",
-    "EnsembleStats",
     "StepRouter",
-    "StepStats",
     "is_ensemble",
     "step_error",
 ]
