@@ -115,3 +115,32 @@ def test_bfloat16_on_cuda_is_close_to_the_cpu(folder: Path) -> None:
     cuda = step_logits(folder, "cuda", torch.bfloat16, 256)  # 256: FlashAttention's blocks
     assert (cuda - cpu).abs().max() < 0.15
     assert (cuda.argmax(-1) == cpu.argmax(-1)).float().mean() >= 2 / 3
+
+
+def test_decode_steps_replayed_from_cuda_graphs_equal_eager_ones(folder: Path) -> None:
+    """Record the decode graphs (FlashAttention, bfloat16, blocks of 256), then replay steps
+    of 1, 3 and 5 decodes (buckets 1, 4 and 8): the logits equal the eager step's."""
+    pytest.importorskip("flash_attn")
+    from gpuserve.backends.causal_lm.graphs import DecodeGraphs
+
+    block, blocks = 256, 16
+    loaded = load_causal_lm(folder, torch.bfloat16, "cuda", load_tokenizer=False)
+    model = loaded.model
+    model.allocate_cache(blocks + 1, block)
+    assert model.attention_name == "flash_attn"
+    graphs = DecodeGraphs(
+        model.forward, torch.device("cuda"), block, 4, blocks, max_batch=8, capture=True
+    )
+    graphs.capture_all()
+    prompts = [list(range(3 + i, 40 + 37 * i)) for i in range(5)]
+    tables = [[2 * i, 2 * i + 1] for i in range(5)]
+    with torch.inference_mode():
+        for prompt, table in zip(prompts, tables, strict=True):
+            model.forward(StepBatch.build([ChunkInput(prompt, 0, table, True)], block, "cuda"))
+        for n in (1, 3, 5):
+            chunks = [ChunkInput([9 + i], len(prompts[i]), tables[i], True) for i in range(n)]
+            batch = StepBatch.build(chunks, block, "cuda")
+            assert graphs.takes(batch)
+            eager = model.forward(batch).float()
+            replayed = graphs.run(batch).float()
+            torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)

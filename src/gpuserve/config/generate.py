@@ -63,6 +63,13 @@ class GenerateConfig(Strict):
         sampling: Defaults for sampling values a request leaves out.
         chat_template: A Jinja chat template replacing the model's own (the tokenizer's, or
             the GGUF file's ``tokenizer.chat_template``).
+        cuda_graphs: On a CUDA device whose attention reads the paged cache in place
+            (FlashAttention), replay steps of decodes alone from CUDA graphs recorded at load,
+            one per batch-size bucket (False: every step runs eagerly, as vLLM's
+            ``enforce_eager``). Ignored on a CPU.
+        cuda_graph_max_batch: The largest decode batch recorded (buckets 1, 2, 4, 8, then
+            multiples of 8 up to it); larger decode steps run eagerly. None: ``max_running``,
+            at most 256.
     """
 
     context_length: int | None = Field(default=None, ge=16, le=1_048_576)
@@ -78,6 +85,8 @@ class GenerateConfig(Strict):
     max_top_logprobs: int = Field(default=20, ge=0, le=100)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int | None = Field(default=None, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _check(self) -> GenerateConfig:

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from gpuserve.backends.base import Backend, Capabilities, LoadContext
+from gpuserve.backends.causal_lm.graphs import DEFAULT_MAX_BATCH, DecodeGraphs
 from gpuserve.backends.causal_lm.loader import LoadedCausalLM, load_causal_lm
+from gpuserve.backends.causal_lm.model import CausalLM
 from gpuserve.backends.causal_lm.step import StepBatch
 from gpuserve.backends.hf_folder import model_source
 from gpuserve.config import ModelConfig
@@ -64,6 +66,8 @@ class GenerationModel:
         context_length: Longest sequence (prompt + output), tokens.
         eos_token_ids: Tokens that end a sequence (unless ``ignore_eos``).
         chat_template: Jinja chat template (the config's, the tokenizer's or the GGUF's).
+        graphs: Decode steps replayed from CUDA graphs (:mod:`.graphs`), or None: every
+            step runs eagerly.
     """
 
     loaded: LoadedCausalLM
@@ -73,6 +77,7 @@ class GenerationModel:
     context_length: int
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
+    graphs: DecodeGraphs | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -82,6 +87,9 @@ class GenerationModel:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """One engine step: float32 logits ``[sampling chunks, vocab]``."""
         with torch.inference_mode():
+            graphs = self.graphs
+            if graphs is not None and graphs.takes(batch):
+                return graphs.run(batch)
             return self.loaded.model.forward(batch)
 
     def encode(self, text: str) -> list[int]:
@@ -196,7 +204,12 @@ class CausalLMBackend(Backend):
                 f"length ({context_length} tokens = {needed} blocks) needs; raise "
                 "generate.kv_cache_bytes or lower generate.context_length"
             )
-        loaded.model.allocate_cache(num_blocks, block_size)
+        graphed = settings.cuda_graphs and context.device.startswith("cuda")
+        # with graphs, one more block than the sequences get: the padding rows' scratch
+        loaded.model.allocate_cache(num_blocks + 1 if graphed else num_blocks, block_size)
+        graphs = None
+        if graphed:
+            graphs = decode_graphs(loaded.model, settings, num_blocks, context_length)
         self.generation = GenerationModel(
             loaded=loaded,
             device=context.device,
@@ -205,6 +218,7 @@ class CausalLMBackend(Backend):
             context_length=context_length,
             eos_token_ids=tuple(loaded.eos_token_ids),
             chat_template=settings.chat_template or loaded.chat_template,
+            graphs=graphs,
         )
         logger.info(
             "model %s: %s, context %d tokens, KV cache %d blocks of %d tokens (%.1f MiB)",
@@ -230,6 +244,30 @@ class CausalLMBackend(Backend):
 
     def unload(self) -> None:
         self.generation = None
+
+
+def decode_graphs(
+    model: CausalLM, settings: GenerateConfig, scratch_block: int, context_length: int
+) -> DecodeGraphs | None:
+    """Record the CUDA graphs of decode steps (:mod:`.graphs`) for a model whose cache is
+    allocated with ``scratch_block`` as its last block; None where the attention does not
+    read the cache in place (SDPA: steps run eagerly)."""
+    if model.attention_name != "flash_attn":
+        logger.info("CUDA graphs of decode steps need FlashAttention's paged kernels: eager")
+        return None
+    cache = model.cache
+    assert cache is not None
+    graphs = DecodeGraphs(
+        model.forward,
+        torch.device(model.device),
+        cache.block_size,
+        max_blocks=-(-context_length // cache.block_size),
+        scratch_block=scratch_block,
+        max_batch=settings.cuda_graph_max_batch or min(settings.max_running, DEFAULT_MAX_BATCH),
+        capture=True,
+    )
+    graphs.capture_all()
+    return graphs
 
 
 def _default_cache_bytes(
