@@ -17,7 +17,7 @@ mkdir -p .gpu/whl .gpu/model
     --platform manylinux2014_x86_64 -d .gpu/whl \
     'pydantic==2.14.4' 'pydantic-core==2.50.5' 'pydantic-settings==2.16.3' \
     'annotated-types==0.8.0' 'typing-inspection==0.4.5' 'python-dotenv==1.2.4' \
-    'orjson==3.13.0' 'httptools==0.9.0' 'grpcio-health-checking==1.81.1'
+    'orjson==3.13.0' 'httptools==0.9.0' 'grpcio-health-checking==1.81.1' 'safetensors==0.8.0'
 "$PYTHON" - <<'PY'
 import shutil
 from pathlib import Path

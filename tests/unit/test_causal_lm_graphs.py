@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpuserve.backends.causal_lm import ChunkInput, StepBatch, load_causal_lm
-from gpuserve.backends.causal_lm.graphs import DecodeGraphs, bucket_sizes
+from gpuserve.backends.causal_lm.graphs import DecodeGraphs, bucket_sizes, width_buckets
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,6 +86,9 @@ def test_bucket_sizes() -> None:
     assert bucket_sizes(20) == (1, 2, 4, 8, 16, 20)
     with pytest.raises(ValueError, match="max_batch"):
         bucket_sizes(0)
+    assert width_buckets(16, in_place=False) == (1, 2, 4, 8, 16)
+    assert width_buckets(12, in_place=False) == (1, 2, 4, 8, 12)
+    assert width_buckets(12, in_place=True) == (12,)
 
 
 @pytest.mark.parametrize("lengths", [[5], [3, 17, 9], [1, 2, 30, 7, 12]])
@@ -93,10 +96,12 @@ def test_the_padded_static_step_gives_the_eager_logits(model, lengths: list[int]
     sequences = prefilled(model, lengths, seed=len(lengths))
     graphs = graphs_of(model)
     rng = random.Random(3)
+    widths = set()
     for _ in range(3):  # several steps: each writes its K/V where the eager step would
         tokens = [rng.randrange(VOCAB) for _ in sequences]
         batch = decode_step(sequences, tokens)
         assert graphs.takes(batch)
+        widths.add(graphs.width(int(batch.decode.block_tables.shape[1])))
         cache = [k.clone() for k in model.cache.keys]
         eager = model.forward(batch)
         after_eager = [k.clone() for k in model.cache.keys]
@@ -111,6 +116,7 @@ def test_the_padded_static_step_gives_the_eager_logits(model, lengths: list[int]
         for seq, token in zip(sequences, tokens, strict=True):
             seq[0].append(token)
     assert graphs.replays == 3
+    assert widths <= set(graphs.widths)
 
 
 def test_steps_a_graph_does_not_take(model) -> None:

@@ -63,10 +63,10 @@ class GenerateConfig(Strict):
         sampling: Defaults for sampling values a request leaves out.
         chat_template: A Jinja chat template replacing the model's own (the tokenizer's, or
             the GGUF file's ``tokenizer.chat_template``).
-        cuda_graphs: On a CUDA device whose attention reads the paged cache in place
-            (FlashAttention), replay steps of decodes alone from CUDA graphs recorded at load,
-            one per batch-size bucket (False: every step runs eagerly, as vLLM's
-            ``enforce_eager``). Ignored on a CPU.
+        cuda_graphs: On a CUDA device, replay steps of decodes alone from CUDA graphs
+            recorded at load, one per batch-size bucket (and, without FlashAttention, per
+            block-table width); False: every step runs eagerly, as vLLM's
+            ``enforce_eager``. Ignored on a CPU.
         cuda_graph_max_batch: The largest decode batch recorded (buckets 1, 2, 4, 8, then
             multiples of 8 up to it); larger decode steps run eagerly. None: ``max_running``,
             at most 256.

@@ -248,13 +248,9 @@ class CausalLMBackend(Backend):
 
 def decode_graphs(
     model: CausalLM, settings: GenerateConfig, scratch_block: int, context_length: int
-) -> DecodeGraphs | None:
+) -> DecodeGraphs:
     """Record the CUDA graphs of decode steps (:mod:`.graphs`) for a model whose cache is
-    allocated with ``scratch_block`` as its last block; None where the attention does not
-    read the cache in place (SDPA: steps run eagerly)."""
-    if model.attention_name != "flash_attn":
-        logger.info("CUDA graphs of decode steps need FlashAttention's paged kernels: eager")
-        return None
+    allocated with ``scratch_block`` as its last block."""
     cache = model.cache
     assert cache is not None
     graphs = DecodeGraphs(
@@ -265,6 +261,7 @@ def decode_graphs(
         scratch_block=scratch_block,
         max_batch=settings.cuda_graph_max_batch or min(settings.max_running, DEFAULT_MAX_BATCH),
         capture=True,
+        in_place=model.attention_name == "flash_attn",
     )
     graphs.capture_all()
     return graphs

@@ -11,14 +11,15 @@ replays them with one call. A graph replays fixed addresses and shapes, so:
   multiples of 8 up to ``max_batch``); rows ``n..b-1`` are **padding**: token 0 at position
   0, writing its K/V to a scratch block that no sequence owns (the cache is allocated one
   block larger), attending to that one key;
-* block tables are as wide as the longest context (``ceil(context_length / block_size)``
-  blocks), padded with the scratch block and masked out.
+* block tables are padded with the scratch block (masked out) to a **width bucket**: with
+  FlashAttention's paged kernels, which read the blocks in place up to each sequence's
+  length, one width (the longest context, ``ceil(context_length / block_size)`` blocks);
+  with SDPA, which gathers every listed block, powers of two up to it, so a step of short
+  sequences gathers no more than twice their blocks. One graph per (batch, width) bucket.
 
-Only steps of decodes alone take a graph (a step holding a prefill chunk runs eagerly), and
-only where the attention reads blocks in place with per-sequence lengths (FlashAttention's
-``flash_attn_with_kvcache``): SDPA would gather every sequence's whole-width table each step.
-The same static path runs without capture on any device (``capture=False``), which is how it
-is tested on a CPU: the padded static step must give the same logits as the eager one.
+Only steps of decodes alone take a graph (a step holding a prefill chunk runs eagerly). The
+same static path runs without capture on any device (``capture=False``), which is how it is
+tested on a CPU: the padded static step must give the same logits as the eager one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ logger = logging.getLogger(__name__)
 
 #: Largest decode batch captured when the config sets none.
 DEFAULT_MAX_BATCH = 256
+
+
+def width_buckets(max_blocks: int, in_place: bool) -> tuple[int, ...]:
+    """Block-table widths recorded: ``(max_blocks,)`` for an attention that reads blocks in
+    place, else powers of two below ``max_blocks``, and ``max_blocks``."""
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+    if in_place:
+        return (max_blocks,)
+    widths = [1 << k for k in range(max_blocks.bit_length()) if (1 << k) < max_blocks]
+    return (*widths, max_blocks)
 
 
 def bucket_sizes(max_batch: int) -> tuple[int, ...]:
@@ -72,6 +84,8 @@ class DecodeGraphs:
         scratch_block: A cache block no sequence is ever given (padding rows write there).
         max_batch: The largest bucket.
         capture: Record CUDA graphs (CUDA only); False runs the static step eagerly.
+        in_place: The attention reads blocks in place up to each context length
+            (FlashAttention): one table width; else width buckets (:func:`width_buckets`).
     """
 
     def __init__(
@@ -83,6 +97,7 @@ class DecodeGraphs:
         scratch_block: int,
         max_batch: int,
         capture: bool,
+        in_place: bool = False,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {device}")
@@ -92,6 +107,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.scratch_block = scratch_block
         self.buckets = bucket_sizes(max_batch)
+        self.widths = width_buckets(max_blocks, in_place)
         self.capture = capture
         size = self.buckets[-1]
         keys = max_blocks * block_size
@@ -108,16 +124,17 @@ class DecodeGraphs:
             key_mask=make((size, 1, 1, keys), torch.bool),
             context_lens=make((size,), torch.int32),
         )
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.replays = 0
 
     def bucket(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` decodes, or None past the largest."""
-        for size in self.buckets:
-            if size >= n:
-                return size
-        return None
+        return next((size for size in self.buckets if size >= n), None)
+
+    def width(self, blocks: int) -> int | None:
+        """The narrowest width bucket holding ``blocks`` blocks, or None past the widest."""
+        return next((width for width in self.widths if width >= blocks), None)
 
     def takes(self, batch: StepBatch) -> bool:
         """Whether ``batch`` runs on a graph: decodes alone, each sampled, within the
@@ -132,10 +149,11 @@ class DecodeGraphs:
             and int(decode.block_tables.shape[1]) <= self.max_blocks
         )
 
-    def static_batch(self, size: int) -> StepBatch:
-        """The step of bucket ``size`` on the static buffers (what a graph records)."""
+    def static_batch(self, size: int, width: int) -> StepBatch:
+        """The step of bucket ``(size, width)`` on the static buffers (what a graph
+        records)."""
         b = self._buffers
-        keys = self.max_blocks * self.block_size
+        keys = width * self.block_size
         return StepBatch(
             token_ids=b.token_ids[:size],
             positions=b.positions[:size],
@@ -149,8 +167,8 @@ class DecodeGraphs:
             prefills=[],
             decode=DecodeGroup(
                 rows=b.rows[:size],
-                block_tables=b.block_tables[:size],
-                key_mask=b.key_mask[:size],
+                block_tables=b.block_tables[:size, :width],
+                key_mask=b.key_mask[:size, :, :, :keys],
                 context_lens=b.context_lens[:size],
                 max_context_len=keys,
             ),
@@ -165,17 +183,23 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        keys = [(size, width) for size in self.buckets for width in self.widths]
         with torch.cuda.stream(stream):
-            for size in self.buckets:
-                self.forward(self.static_batch(size))
+            for size, width in keys:
+                self.forward(self.static_batch(size, width))
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        for size in reversed(self.buckets):
+        for key in reversed(keys):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self.forward(self.static_batch(size))
-            self._graphs[size] = graph
+                self._outputs[key] = self.forward(self.static_batch(*key))
+            self._graphs[key] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs of decode steps for batch sizes %s", self.buckets)
+        logger.info(
+            "captured %d CUDA graphs of decode steps: batch sizes %s, table widths %s",
+            len(keys),
+            self.buckets,
+            self.widths,
+        )
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The logits of a step :meth:`takes` (float32 ``[n, vocab]``), from its bucket's
@@ -184,25 +208,26 @@ class DecodeGraphs:
         assert decode is not None
         n = batch.num_tokens
         size = self.bucket(n)
-        assert size is not None
+        width = int(decode.block_tables.shape[1])
+        padded = self.width(width)
+        assert size is not None and padded is not None
         b = self._buffers
         b.token_ids[:n].copy_(batch.token_ids, non_blocking=True)
         b.positions[:n].copy_(batch.positions, non_blocking=True)
         b.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        width = int(decode.block_tables.shape[1])
         b.block_tables[:n, :width].copy_(decode.block_tables, non_blocking=True)
-        b.block_tables[:n, width:] = self.scratch_block
-        keys = width * self.block_size
+        b.block_tables[:n, width:padded] = self.scratch_block
+        keys, end = width * self.block_size, padded * self.block_size
         b.key_mask[:n, :, :, :keys].copy_(decode.key_mask, non_blocking=True)
-        b.key_mask[:n, :, :, keys:] = False
+        b.key_mask[:n, :, :, keys:end] = False
         b.context_lens[:n].copy_(decode.context_lens, non_blocking=True)
         self._pad(n, size)
         self.replays += 1
-        graph = self._graphs.get(size)
+        graph = self._graphs.get((size, padded))
         if graph is None:
-            return self.forward(self.static_batch(size))[:n]
+            return self.forward(self.static_batch(size, padded))[:n]
         graph.replay()
-        return self._outputs[size][:n].clone()
+        return self._outputs[size, padded][:n].clone()
 
     def _pad(self, start: int, end: int) -> None:
         """Rows ``start..end-1`` as padding: token 0 at position 0 in the scratch block,
@@ -219,4 +244,4 @@ class DecodeGraphs:
         b.context_lens[start:end] = 1
 
 
-__all__ = ["DEFAULT_MAX_BATCH", "DecodeGraphs", "bucket_sizes"]
+__all__ = ["DEFAULT_MAX_BATCH", "DecodeGraphs", "bucket_sizes", "width_buckets"]
