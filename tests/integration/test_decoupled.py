@@ -205,9 +205,8 @@ def test_a_stream_of_1000_responses_arrives_in_order_with_a_slow_reader(server):
     # responses of 16 KiB here) plus the server's few.
     assert max(produced_ahead) < 400, produced_ahead[::50]
 
-    executor = server.manager.runner("counter", None).executor
-    assert executor is not None
-    assert 1 <= executor.peak_buffered <= BUFFERED
+    runner = server.manager.runner("counter", None)
+    assert 1 <= runner.peak_buffered <= BUFFERED
 
 
 def test_the_final_response_is_marked_and_the_empty_final_only_on_request(server):
@@ -406,19 +405,18 @@ def test_a_stream_counts_once_in_statistics_with_its_responses(server):
         body = httpx.get(f"{server.url}/v2/models/counter/stats", timeout=10).json()
         return body["model_stats"][0]
 
-    executor = server.manager.runner("counter", None).executor
-    responses_before = executor.responses_total if executor is not None else 0
+    runner = server.manager.runner("counter", None)
+    responses_before = runner.responses_total
     before = stats()
     r = httpx.post(f"{server.url}/v2/models/counter/generate_stream", json={"COUNT": 7})
     assert r.text.count("data:") == 7
-    executor = server.manager.runner("counter", None).executor
     wait_until(lambda: stats()["inference_count"] == before["inference_count"] + 1)
     after = stats()
     assert after["inference_stats"]["success"]["count"] == (
         before["inference_stats"]["success"]["count"] + 1
     )
     assert after["execution_count"] == before["execution_count"] + 1
-    assert executor is not None and executor.responses_total - responses_before == 8  # + final
+    assert runner.responses_total - responses_before == 8  # + final
 
 
 def test_streams_beyond_the_instances_wait_and_all_finish(server):

@@ -179,9 +179,9 @@ def test_16_grpc_streams_and_4_sse_streams_get_their_own_responses_from_shared_c
     counts = [entry.get("success", {}).get("count", 0) for entry in first]
     assert counts[1] - counts[0] == 20
 
-    executor = server.manager.runner(MODEL, None).executor
-    assert executor is not None and executor.batcher is not None
-    assert 1 <= executor.peak_buffered <= 16  # each request's own bounded buffer (default 16)
+    runner = server.manager.runner(MODEL, None)
+    assert runner.core.batcher.max_batch_size == 8  # batches of streams, by the dynamic batcher
+    assert 1 <= runner.peak_buffered <= 16  # each request's own bounded buffer (default 16)
 
 
 def test_cancelling_one_request_of_a_call_stops_only_its_sender(server):

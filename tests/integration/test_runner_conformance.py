@@ -38,6 +38,11 @@ The model's markers (first element of a row, the second element a tag):
 One server per kind (in-process, ``--model-control-mode explicit`` with every model loaded, so
 that the drain case can unload and load ``conf`` again). Counts are read as differences (the
 Prometheus counters never reset; the statistics do on a reload).
+
+Section 9 runs the settings of the one execution path (an execution timeout, a token budget,
+adaptive batching) against the kinds whose batches take them: a batching model and a
+decoupled model that runs batches of streams (Triton Python models, one server per kind with
+one model per setting).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -543,8 +549,8 @@ def test_a_request_cancelled_while_it_runs_is_counted_cancelled_and_a_decoupled_
 def test_a_queued_request_past_its_timeout_fails_with_the_queue_timeout_status(
     kind: Kind, pool: concurrent.futures.ThreadPoolExecutor
 ):
-    # every kind queues: the batchers, the decoupled executor's FIFO, and (for the ensemble)
-    # the step model's batcher, which takes the ensemble request's timeout
+    # every kind queues in its scheduling core's batcher (the decoupled kind's too) and, for
+    # the ensemble, in the step model's batcher, which takes the ensemble request's timeout
     timeouts_before = failures(kind, "timeout")
     slow = Slow(kind, pool)
     tag = next(_tags)
@@ -674,3 +680,198 @@ def test_unload_lets_a_running_request_finish_and_refuses_new_ones(
     loaded = kind.http.post(f"/v2/repository/models/{MODEL}/load", timeout=60)
     assert loaded.status_code == 200, loaded.text
     np.testing.assert_array_equal(y_of(kind.infer(rows(10.0))), rows(10.0) * 2)
+
+
+# -- 9. the execution path's settings: execution timeout, token budget, adaptive batching ------
+#
+# Decoupled requests run on the same path as every other model's (one scheduling core, its
+# dynamic batcher and watchdog, the instances' threads), so these settings act on them as on a
+# batching model's. The kinds here are the ones whose batches take these settings: a batching
+# model and a decoupled model that runs batches of streams (a Triton model whose ``execute``
+# serves several requests, one response sender each: streaming's only way to form batches of
+# several requests). Each model below is that Triton model: Y = 2 X, X a padded input (its
+# length counts tokens: 4 per request here), marker -3 holds the instance as above.
+
+PATH_KINDS = ["batching", "streaming"]
+
+TRITON_CODE = '''
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+EVENTS = {events!r}
+
+
+def _touch(name):
+    with open(os.path.join(EVENTS, name), "w"):
+        pass
+
+
+def _hold(name, deadline_s=15.0):
+    path = os.path.join(EVENTS, name)
+    end = time.monotonic() + deadline_s
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.002)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if x[0, 0] == -3:
+                _touch(f"started-{{int(x[0, 1])}}")
+                _hold(f"release-{{int(x[0, 1])}}")
+            answer = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("Y", x * 2)])
+            if self.decoupled:  # one response, then the final flag, through its own sender
+                final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+                request.get_response_sender().send(answer, flags=final)
+            else:
+                answers.append(answer)
+        return None if self.decoupled else answers
+'''
+
+PATH_COMMON = """\
+backend: python
+max_batch_size: 8
+inputs: [{name: X, datatype: FP32, shape: [-1], pad_value: 0}]
+outputs: [{name: Y, datatype: FP32, shape: [-1]}]
+instance_group: [{count: 1, kind: cpu}]
+"""
+
+#: Model -> its settings (each model has one, so that they do not act on each other).
+PATH_MODELS = {
+    "timeout": "execution_timeout_s: 1\ndynamic_batching: {max_queue_delay_us: 0}\n",
+    "tokens": "dynamic_batching: {max_queue_delay_us: 0, max_batch_tokens: 8}\n",
+    # a lone client: the configured 1.5 s delay until the first batch is measured, then none
+    # (early_dispatch off: it would also send a lone client's request at once)
+    "adaptive": (
+        "dynamic_batching:\n"
+        "  {max_queue_delay_us: 1500000, early_dispatch: false, adaptive: {target_p99_ms: 200}}\n"
+    ),
+}
+
+
+@dataclass
+class PathKind:
+    """One kind's server of the three models of this section."""
+
+    name: str
+    server: InProcessServer
+    events: Path
+    http: httpx.Client
+
+    def infer(self, model: str, x: np.ndarray, timeout_s: float = 30.0) -> httpx.Response:
+        tensor = {"name": "X", "datatype": "FP32", "shape": list(x.shape)}
+        body = {"inputs": [{**tensor, "data": x.ravel().tolist()}]}
+        return self.http.post(f"/v2/models/{model}/infer", json=body, timeout=timeout_s)
+
+    def batch_sizes(self, model: str) -> dict[int, int]:
+        """Executions of ``model`` so far by batch size (its statistics' ``batch_stats``)."""
+        answer = self.http.get(f"/v2/models/{model}/stats")
+        assert answer.status_code == 200, answer.text
+        stats = answer.json()["model_stats"][0]["batch_stats"]
+        return {entry["batch_size"]: entry["compute_infer"]["count"] for entry in stats}
+
+    def hold(self, model: str, pool: concurrent.futures.ThreadPoolExecutor) -> tuple[int, Any]:
+        """A request of ``model`` holding its instance (marker -3): its tag and its answer's
+        future, once the model runs it."""
+        tag = next(_tags)
+        answer = pool.submit(self.infer, model, rows(-3.0, tag=tag))
+        started = self.events / f"started-{tag}"
+        wait_until(lambda: started.exists() or answer.done(), 10, f"{self.name}: {model} holds")
+        assert not answer.done(), answer.result().text
+        return tag, answer
+
+    def release(self, tag: int) -> None:
+        (self.events / f"release-{tag}").touch()
+
+
+@pytest.fixture(scope="module", params=PATH_KINDS)
+def path_kind(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PathKind]:
+    name = str(request.param)
+    base = tmp_path_factory.mktemp(f"conformance_path_{name}")
+    events = base / "events"
+    events.mkdir()
+    policy = "model_transaction_policy: {decoupled: true}\n" if name == "streaming" else ""
+    for model, settings in PATH_MODELS.items():
+        (base / "repo" / model / "1").mkdir(parents=True)
+        (base / "repo" / model / "config.yaml").write_text(PATH_COMMON + settings + policy)
+        code = textwrap.dedent(TRITON_CODE.format(events=str(events))).lstrip()
+        (base / "repo" / model / "1" / "model.py").write_text(code)
+    running = InProcessServer(base / "repo")
+    with httpx.Client(base_url=running.url, timeout=30.0) as http:
+        try:
+            yield PathKind(name, running, events, http)
+        finally:
+            running.stop()
+
+
+def test_a_call_past_the_execution_timeout_fails_with_500_and_its_instance_is_replaced(
+    path_kind: PathKind, pool: concurrent.futures.ThreadPoolExecutor
+):
+    tag, stuck = path_kind.hold("timeout", pool)
+    try:
+        answer = stuck.result(8)  # the watchdog answers at 1 s; the model holds for 15
+    finally:
+        path_kind.release(tag)
+    error = error_of(answer)
+    assert answer.status_code == 500, (answer.status_code, error)
+    assert "execution_timeout_s" in error and "did not finish within 1 s" in error, error
+    # its replacement serves the next request, once loaded (503 "being restarted" until then)
+    wait_until(
+        lambda: path_kind.http.get("/v2/models/timeout/ready").status_code == 200,
+        20,
+        f"{path_kind.name}: the replacement instance is ready",
+    )
+    np.testing.assert_array_equal(y_of(path_kind.infer("timeout", rows(3.0))), rows(3.0) * 2)
+
+
+def test_the_token_budget_bounds_the_batches_that_form(path_kind: PathKind):
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:  # the held request and four
+        budgeted(path_kind, pool)
+
+
+def budgeted(path_kind: PathKind, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    before = path_kind.batch_sizes("tokens")
+    tag, blocker = path_kind.hold("tokens", pool)
+    try:
+        # four requests of 4 tokens queue behind it; 8 tokens fit two of them in a batch
+        queued = [pool.submit(path_kind.infer, "tokens", rows(v)) for v in (1.0, 2.0)]
+        queued += [pool.submit(path_kind.infer, "tokens", rows(v)) for v in (3.0, 4.0)]
+        wait_until(
+            lambda: queue_state(path_kind.server.url, "tokens").queued == 4,
+            10,
+            f"{path_kind.name}: four requests queued behind the held one",
+        )
+    finally:
+        path_kind.release(tag)
+    assert blocker.result(30).status_code == 200
+    for value, future in zip((1.0, 2.0, 3.0, 4.0), queued, strict=True):
+        np.testing.assert_array_equal(y_of(future.result(30)), rows(value) * 2)
+    after = path_kind.batch_sizes("tokens")
+    added = {size: after[size] - before.get(size, 0) for size in after}
+    assert {size: n for size, n in added.items() if n} == {1: 1, 2: 2}, added
+
+
+def test_adaptive_batching_drops_the_delay_a_lone_client_gains_nothing_from(
+    path_kind: PathKind,
+):
+    started = time.monotonic()
+    first = path_kind.infer("adaptive", rows(1.0))
+    assert y_of(first).shape == (1, 4)
+    assert time.monotonic() - started >= 1.0  # the configured delay, before any measurement
+    for value in (2.0, 3.0, 4.0):
+        started = time.monotonic()
+        answer = path_kind.infer("adaptive", rows(value))
+        waited_s = time.monotonic() - started
+        np.testing.assert_array_equal(y_of(answer), rows(value) * 2)
+        assert waited_s < 0.75, f"{path_kind.name}: waited {waited_s:.2f} s for nobody"

@@ -1,21 +1,28 @@
-"""Batches of decoupled requests below the server: which configurations batch, the pure
-:class:`StreamBatcher` on a fake clock, a Triton model's ``execute`` with one sender per
-request (``stream_batch``), and the parameters a BLS call carries."""
+"""Batches of decoupled requests below the server: which configurations batch, the scheduling
+core running a decoupled model's requests on a fake clock (batches of streams formed by the
+dynamic batcher, the execution counted when the call returns, each request finished when its
+stream ends), a Triton model's ``execute`` with one sender per request (``stream_batch``),
+and the parameters a BLS call carries."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from gpuserve.backends.base import Capabilities
 from gpuserve.backends.streaming import StreamCall
 from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.config import ModelConfig
+from gpuserve.engine.batch import BatchResult, Pending
+from gpuserve.engine.batcher import batches_streams
 from gpuserve.engine.request import InferenceRequest
-from gpuserve.engine.streaming.batching import StreamBatcher, batches_streams
-from gpuserve.errors import InvalidInputError, OverloadedError
+from gpuserve.engine.scheduling import SchedulerCore
+from gpuserve.engine.stats import BatchStats, RequestStats
+from gpuserve.errors import CancelledRequestError, InvalidInputError, OverloadedError
 from gpuserve.repository.triton.config import load_triton_config
 from tests.unit.test_decoupled_backend import Sink, loaded
 
@@ -26,13 +33,47 @@ IO = {
     "outputs": [{"name": "OUT", "datatype": "INT32", "shape": [1]}],
 }
 
+BATCHES = Capabilities(streams=True, streams_batches=True)
+
 
 def config(**fields) -> ModelConfig:
     return ModelConfig(name="m", **IO, model_transaction_policy={"decoupled": True}, **fields)
 
 
-def request(priority: int = 0) -> InferenceRequest:
-    return InferenceRequest("m", None, {"IN": np.zeros((1, 1), np.int32)}, priority=priority)
+def request(priority: int = 0, size: int = 1, **kwargs) -> InferenceRequest:
+    x = np.zeros((1, size), np.int32)
+    return InferenceRequest("m", None, {"IN": x}, priority=priority, **kwargs)
+
+
+@dataclass(eq=False)
+class Worker:
+    name: str = "m:1#0"
+    capacity: int = 1
+    in_flight: int = 0
+
+
+def core_of(cfg: ModelConfig, capabilities: Capabilities = BATCHES, workers: int = 1):
+    core: SchedulerCore[Worker] = SchedulerCore(cfg, "1", capabilities)
+    events: list[object] = []
+    core.stats.listeners.append(events.append)
+    core.attach([Worker(f"m:1#{index}") for index in range(workers)])
+    return core, events
+
+
+def admit(core, *requests: InferenceRequest, now: float = 0.0) -> list[Pending]:
+    return [core.admit(r, now, Sink()) for r in requests]
+
+
+def returned(record, at: float, call_s: float = 0.01, error=None) -> BatchResult:
+    """What an instance reports when a batch of streams' call returns."""
+    return BatchResult(
+        record.batch,
+        error=error,
+        retryable=False,
+        started_s=at,
+        finished_s=at + call_s,
+        forward_s=call_s,
+    )
 
 
 # -- which models batch ---------------------------------------------------------------------
@@ -51,71 +92,131 @@ def test_only_a_decoupled_batching_model_with_dynamic_batching_batches_its_strea
     assert not batches_streams(repeat)  # max_batch_size 0: one request per execute
 
 
-# -- the pure batcher -----------------------------------------------------------------------
+def test_a_backend_without_batches_of_streams_runs_one_request_per_call():
+    cfg = config(max_batch_size=4, dynamic_batching={"max_queue_delay_us": 10_000})
+    core, _ = core_of(cfg, Capabilities(streams=True), workers=2)
+    admit(core, request(), request(), request())
+    plan = core.schedule(0.0)  # no waiting for company: nobody could join
+    assert [len(record.batch.items) for record in plan.dispatched] == [1, 1]
+    assert core.queued == 1
+
+
+# -- the scheduling core: batches of streams --------------------------------------------------
 
 
 def test_queued_streams_form_batches_of_at_most_max_batch_size_rows_in_order():
-    batcher: StreamBatcher[str] = StreamBatcher(
-        config(max_batch_size=4, dynamic_batching={"max_queue_delay_us": 10_000})
-    )
-    for index in range(6):
-        batcher.add(f"r{index}", request(), 1, now=0.0)
-    assert batcher.next_batch(0.001) is not None  # 4 rows queued: full, sent at once
-    assert len(batcher) == 2
-    assert batcher.next_batch(0.002) is None  # 2 rows wait out the delay for company
-    assert batcher.next_wakeup(True) == pytest.approx(0.010)
-    late = batcher.next_batch(0.010)
-    assert late is not None and late.jobs == ["r4", "r5"] and late.rows == 2
+    core, _ = core_of(config(max_batch_size=4, dynamic_batching={"max_queue_delay_us": 10_000}))
+    items = admit(core, *(request(size=index + 1) for index in range(6)))  # any shapes
+    first = core.schedule(0.001).dispatched
+    assert [r.batch.items for r in first] == [items[:4]]  # 4 rows queued: full, sent at once
+    assert all(item.sink is not None and item.started_s == 0.001 for item in items[:4])
+    assert not core.schedule(0.002).dispatched  # the instance is busy
+    core.complete(returned(first[0], at=0.001), 0.002)
+    assert not core.schedule(0.003).dispatched  # 2 rows wait out the delay for company
+    assert core.next_wakeup(0.003) == pytest.approx(0.010)
+    late = core.schedule(0.010).dispatched
+    assert [r.batch.items for r in late] == [items[4:]] and late[0].batch.rows == 2
 
 
-def test_the_first_batch_holds_the_oldest_requests_and_rows_count_per_request():
-    batcher: StreamBatcher[str] = StreamBatcher(config(max_batch_size=4, dynamic_batching={}))
-    batcher.add("a", request(), 3, now=0.0)
-    batcher.add("b", request(), 2, now=0.0)  # 3 + 2 > 4: waits for the next call
-    batcher.add("c", request(), 1, now=0.0)
-    first = batcher.next_batch(0.0)
-    assert first is not None and first.jobs == ["a", "c"] and first.rows == 4
-    second = batcher.next_batch(0.0)
-    assert second is not None and second.jobs == ["b"]
+def test_a_batch_of_streams_counts_its_call_when_it_returns_and_each_request_at_its_end():
+    core, events = core_of(config(max_batch_size=4, dynamic_batching={}))
+    a, b = admit(core, request(), request(), now=1.0)
+    (record,) = core.schedule(1.5).dispatched
+    done = core.complete(returned(record, at=1.5, call_s=0.25), 2.0)
+    assert not done.finished and core.in_flight_requests == 2  # the streams go on
+    batch = next(e for e in events if isinstance(e, BatchStats))
+    assert (batch.batch_size, batch.requests, batch.forward_s, batch.ok) == (2, 2, 0.25, True)
+    assert record.instance.in_flight == 0  # the instance is free for the next batch
+    assert core.stream_ended(a, None, 3.0)
+    assert core.stream_ended(b, CancelledRequestError("gone"), 3.5)
+    assert not core.stream_ended(b, None, 4.0)  # finished once
+    finished = [e for e in events if isinstance(e, RequestStats)]
+    assert [(e.reason, e.queue_s, e.compute_s) for e in finished] == [
+        (None, 0.5, 1.5),
+        ("cancelled", 0.5, 2.0),
+    ]
+    assert core.in_flight_requests == 0
 
 
-def test_a_removed_stream_leaves_the_queue_and_expired_ones_are_handed_back():
-    batcher: StreamBatcher[str] = StreamBatcher(
-        config(max_batch_size=4, dynamic_batching={"max_queue_delay_us": 50_000})
-    )
-    batcher.add("gone", request(), 1, now=0.0)
-    batcher.add("late", request(), 1, now=0.0, deadline_s=0.02)
-    batcher.add("kept", request(), 1, now=0.0)
-    assert batcher.remove("gone") and not batcher.remove("gone")
-    assert batcher.next_wakeup(True) == pytest.approx(0.02)  # the deadline comes first
-    assert batcher.expired(0.01) == []
-    assert batcher.expired(0.02) == ["late"]
-    due = batcher.next_batch(0.05)
-    assert due is not None and due.jobs == ["kept"] and len(batcher) == 0
+def test_a_failed_call_is_never_retried_in_halves():
+    from gpuserve.errors import BackendError
+
+    core, events = core_of(config(max_batch_size=4, dynamic_batching={}))
+    items = admit(core, request(), request())
+    (record,) = core.schedule(0.0).dispatched
+    done = core.complete(returned(record, 0.0, error=BackendError("boom")), 0.1)
+    assert not done.retried and core.retrying == [] and core.queued == 0
+    assert [e.ok for e in events if isinstance(e, BatchStats)] == [False]
+    assert all(item.outcome is None for item in items)  # their streams carry the error
+
+
+def test_a_cancelled_queued_stream_leaves_the_queue_and_expired_ones_time_out():
+    cfg = config(max_batch_size=4, dynamic_batching={"max_queue_delay_us": 50_000})
+    core, _ = core_of(cfg)
+    gone, late, kept = admit(core, request(), request(timeout_us=20_000), request())
+    assert core.cancel(gone, 0.001) and not core.cancel(gone, 0.002)
+    assert core.next_wakeup(0.01) == pytest.approx(0.02)  # the deadline comes first
+    assert not core.schedule(0.01).finished
+    assert list(core.schedule(0.02).finished) == [late]
+    assert late.outcome is not None and late.outcome.reason == "timeout"
+    (record,) = core.schedule(0.05).dispatched
+    assert record.batch.items == [kept] and core.queued == 0
 
 
 def test_a_stream_whose_client_went_away_is_found_gone_not_batched():
-    batcher: StreamBatcher[str] = StreamBatcher(config(max_batch_size=4, dynamic_batching={}))
+    core, _ = core_of(config(max_batch_size=4, dynamic_batching={}))
     away = request()
     away.is_cancelled = lambda: True
-    batcher.add("away", away, 1, now=0.0)
-    batcher.add("here", request(), 1, now=0.0)
-    batch = batcher.next_batch(0.0)
-    assert batch is not None and batch.jobs == ["here"]
-    assert batcher.gone() == ["away"] and batcher.gone() == []
+    gone, here = admit(core, away, request())
+    plan = core.schedule(0.0)
+    assert [r.batch.items for r in plan.dispatched] == [[here]]
+    assert list(plan.finished) == [gone] and gone.outcome.reason == "cancelled"
 
 
 def test_priority_levels_and_the_queue_bound():
-    batcher: StreamBatcher[str] = StreamBatcher(
+    core, _ = core_of(
         config(max_batch_size=1, dynamic_batching={"priority_levels": 2, "max_queue_size": 2})
     )
-    batcher.add("low", request(priority=2), 1, now=0.0)
-    batcher.add("high", request(priority=1), 1, now=0.1)
+    low, high = admit(core, request(priority=2), request(priority=1))
     with pytest.raises(OverloadedError):
-        batcher.add("more", request(), 1, now=0.2)
-    first = batcher.next_batch(0.2)
-    assert first is not None and first.jobs == ["high"]
-    assert batcher.drain() == ["low"] and len(batcher) == 0
+        admit(core, request())
+    (record,) = core.schedule(0.2).dispatched
+    assert record.batch.items == [high]
+    assert core.queued == 1 and low.queued
+
+
+def test_the_watchdog_fails_the_streams_of_a_stuck_call_and_drops_its_instance():
+    core, _ = core_of(config(max_batch_size=4, execution_timeout_s=1.0, dynamic_batching={}))
+    (item,) = admit(core, request())
+    (record,) = core.schedule(0.0).dispatched
+    assert core.next_wakeup(0.5) == pytest.approx(1.0)
+    (hung,) = core.hung(1.0, respawn=True)
+    assert hung.finished == [item] and "execution_timeout_s" in item.outcome.message
+    assert core.instances == [] and not core.stream_ended(item, None, 2.0)
+    assert core.complete(returned(record, 0.0), 3.0).late
+
+
+def test_the_token_budget_bounds_a_batch_of_streams():
+    from gpuserve.engine.request import RequestCost
+
+    cfg = config(max_batch_size=8, dynamic_batching={"max_batch_tokens": 8})
+    core, _ = core_of(cfg)
+    long = [request() for _ in range(3)]
+    for r in long:
+        r.cost = RequestCost((4,))
+    admit(core, *long)
+    (record,) = core.schedule(0.0).dispatched
+    assert len(record.batch.items) == 2 and record.batch.padded_tokens == 8
+
+
+def test_adaptive_batching_observes_a_batch_of_streams():
+    cfg = config(max_batch_size=4, dynamic_batching={"adaptive": {"target_p99_ms": 50}})
+    core, _ = core_of(cfg)
+    assert core.adaptive is not None
+    admit(core, request(), request())
+    (record,) = core.schedule(0.0).dispatched
+    core.complete(returned(record, 0.0, call_s=0.02), 0.02)
+    assert core.adaptive.batches == 1
 
 
 # -- a Triton model's execute with one sender per request -----------------------------------

@@ -1,16 +1,16 @@
-"""A decoupled model's config is refused at load when it sets what the decoupled path does not
-honour (an execution timeout, a token budget, adaptive batching), naming the setting; every
-other setting it may carry loads as before."""
+"""A decoupled model's config takes every setting of the one execution path its requests share
+with every other model's (the scheduling core, its batcher and its watchdog): an execution
+timeout, a token budget and adaptive batching load, and reach the core the version runs on."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from gpuserve.backends.base import Capabilities
 from gpuserve.config.model import ModelConfig, parse_model_config
-from gpuserve.errors import ConfigError
+from gpuserve.engine.batcher import DynamicBatcher
+from gpuserve.engine.scheduling import SchedulerCore
 
 PATH = Path("models/stream/config.yaml")
 
@@ -26,35 +26,29 @@ def decoupled(**extra: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize(
-    ("extra", "named"),
-    [
-        ({"execution_timeout_s": 5}, "execution_timeout_s=5"),
-        ({"dynamic_batching": {"max_batch_tokens": 256}}, "dynamic_batching.max_batch_tokens=256"),
-        ({"dynamic_batching": {"adaptive": {"target_p99_ms": 50}}}, "dynamic_batching.adaptive"),
-    ],
-)
-def test_a_setting_the_decoupled_path_does_not_honour_is_refused_naming_it(extra, named):
-    with pytest.raises(ConfigError) as refused:
-        parse_model_config(decoupled(**extra), PATH, "stream")
-    message = str(refused.value)
-    assert str(PATH) in message and named in message, message
-    assert "model_transaction_policy.decoupled" in message, message
-
-
-def test_every_unhonoured_setting_is_named_at_once():
-    config = decoupled(
-        execution_timeout_s=1.5,
-        dynamic_batching={"max_batch_tokens": 64, "adaptive": {"target_p99_ms": 20}},
+def test_the_settings_of_the_one_execution_path_load_and_reach_the_core():
+    config = parse_model_config(
+        decoupled(
+            execution_timeout_s=1.5,
+            dynamic_batching={"max_batch_tokens": 64, "adaptive": {"target_p99_ms": 20}},
+        ),
+        PATH,
+        "stream",
     )
-    with pytest.raises(ConfigError) as refused:
-        parse_model_config(config, PATH, "stream")
-    message = str(refused.value)
-    for named in ("execution_timeout_s=1.5", "max_batch_tokens=64", "dynamic_batching.adaptive"):
-        assert named in message, message
+    core = SchedulerCore(config, "1", Capabilities(streams=True, streams_batches=True))
+    assert core.streams and core.execution_timeout_s == 1.5
+    assert core.adaptive is not None and core.adaptive.target_p99_s == 0.02
+    assert isinstance(core.batcher, DynamicBatcher)
+    assert core.batcher.max_batch_tokens == 64 and core.batcher.max_batch_size == 4
 
 
-def test_a_decoupled_model_with_the_settings_it_honours_loads():
+def test_a_backend_that_streams_one_request_per_call_gets_batches_of_one():
+    config = parse_model_config(decoupled(dynamic_batching={}), PATH, "stream")
+    core = SchedulerCore(config, "1", Capabilities(streams=True))  # a generator model
+    assert isinstance(core.batcher, DynamicBatcher) and core.batcher.max_batch_size == 0
+
+
+def test_a_decoupled_model_with_the_queue_settings_loads():
     config = decoupled(
         execution_timeout_s=0,  # the default: off
         dynamic_batching={
@@ -67,6 +61,7 @@ def test_a_decoupled_model_with_the_settings_it_honours_loads():
     )
     loaded = parse_model_config(config, PATH, "stream")
     assert loaded.model_transaction_policy.decoupled
+    assert SchedulerCore(loaded, "1").execution_timeout_s is None
 
 
 def test_a_model_that_is_not_decoupled_keeps_all_three():

@@ -1,19 +1,25 @@
-"""Per-response statistics (Triton's ``response_stats``): the pure aggregate and the stream
-channel's timing, on fake clocks."""
+"""Per-response statistics (Triton's ``response_stats``): the pure aggregate, the stream
+channel's timing and what the streaming runner counts when a stream ends, on fake clocks."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from gpuserve.backends.base import Backend, Capabilities, LoadContext
+from gpuserve.config import ModelConfig
+from gpuserve.engine.instance import Instance
+from gpuserve.engine.request import InferenceRequest
 from gpuserve.engine.response_stats import (
     INTERVAL_BUCKETS_S,
     ResponseOutcome,
     ResponseStats,
 )
+from gpuserve.engine.runners.streaming import DecoupledStream, StreamingRunner
 from gpuserve.engine.stats import ModelStats
 from gpuserve.engine.streaming.buffer import ResponseChannel, StreamItem
 from gpuserve.errors import BackendError
@@ -161,7 +167,7 @@ def test_an_error_response_is_timed_like_any_other():
     run(main)
 
 
-# -- the executor: what a stream's end counts, on a fake clock ------------------------------
+# -- the streaming runner: what a stream's end counts, on a fake clock ------------------------
 
 
 class Clock:
@@ -172,14 +178,25 @@ class Clock:
         return self.now
 
 
-class GatedBackend:
-    """Sends ``count`` responses at the clock's instants, then waits for ``release``."""
+class GatedBackend(Backend):
+    """Streams ``count`` responses at the clock's instants, then waits for ``release``."""
 
     def __init__(self, clock: Clock, count: int) -> None:
         self.clock = clock
         self.count = count
         self.sent = threading.Event()
         self.release = threading.Event()
+
+    def load(self, context: LoadContext) -> None:
+        pass
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(streams=True)
+
+    def preprocess(self, inputs):
+        raise AssertionError("a decoupled model's batches are streamed")
+
+    forward = postprocess = preprocess
 
     def stream(self, inputs, sink) -> None:
         for index in range(self.count):
@@ -189,29 +206,24 @@ class GatedBackend:
         self.release.wait(10)
 
 
-class FakeScheduler:
-    def __init__(self, backend) -> None:
-        from gpuserve.config import ModelConfig
+CONFIG = ModelConfig(
+    name="m",
+    backend="python",
+    max_batch_size=0,
+    inputs=[{"name": "X", "datatype": "INT32", "shape": [1]}],
+    outputs=[{"name": "Y", "datatype": "INT32", "shape": [1]}],
+    model_transaction_policy={"decoupled": True},
+)
 
-        self.name = "m"
-        self.version = "1"
-        self.config = ModelConfig(
-            name="m",
-            backend="python",
-            max_batch_size=0,
-            inputs=[{"name": "X", "datatype": "INT32", "shape": [1]}],
-            outputs=[{"name": "Y", "datatype": "INT32", "shape": [1]}],
-            model_transaction_policy={"decoupled": True},
-        )
-        self.accepting = True
-        self.instances = [type("I", (), {"backend": backend, "name": "m_0"})()]
-        self.stats = ModelStats("m", "1")
 
-    def hold(self) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
+async def started_runner(backend: GatedBackend, clock: Clock) -> tuple[StreamingRunner, Instance]:
+    """The version's streaming runner on one real instance (its thread runs the streams)."""
+    runner = StreamingRunner(CONFIG, "1", Capabilities(streams=True), clock=clock)
+    context = LoadContext(config=CONFIG, version_path=Path("."), version=1)
+    instance = Instance("m:1#0", backend, context, runner.on_batch_done)
+    await asyncio.to_thread(instance.start, 10)
+    runner.attach([instance], asyncio.get_running_loop())
+    return runner, instance
 
 
 async def _until(predicate, timeout_s: float = 10.0) -> None:
@@ -222,19 +234,18 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.001)
 
 
-def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns():
-    from gpuserve.engine.request import InferenceRequest
-    from gpuserve.engine.streaming.executor import DecoupledExecutor
+def request(**kwargs) -> InferenceRequest:
+    return InferenceRequest("m", None, {"X": np.zeros(1, np.int32)}, **kwargs)
 
+
+def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns():
     async def main():
         clock = Clock()
         backend = GatedBackend(clock, count=2)
-        scheduler = FakeScheduler(backend)
-        executor = DecoupledExecutor(
-            scheduler, scheduler.config, "1", False, asyncio.get_running_loop(), clock=clock
-        )
-        request = InferenceRequest("m", None, {"X": np.zeros(1, np.int32)})
-        job = executor.open(request, 1)
+        runner, instance = await started_runner(backend, clock)
+        stream = runner.stream(request())
+        assert isinstance(stream, DecoupledStream)
+        job = stream.job
         first = await job.channel.get()
         second = await job.channel.get()
         assert (first.index, second.index) == (0, 1)
@@ -243,39 +254,36 @@ def test_a_cancel_while_the_model_runs_counts_once_timed_until_its_call_returns(
         clock.now = 10.0
         job.channel.cancel()
         await _until(lambda: job.cancelled_s is not None)
-        assert scheduler.stats.responses.totals[ResponseOutcome.CANCEL] == 0  # not yet: it runs
+        assert runner.stats.responses.totals[ResponseOutcome.CANCEL] == 0  # not yet: it runs
         clock.now = 10.25
         backend.release.set()
         await _until(lambda: not job.running)
-        view = scheduler.stats.as_dict()["response_stats"]
+        view = runner.stats.as_dict()["response_stats"]
         assert {k: v["success"]["count"] for k, v in view.items()} == {"0": 1, "1": 1, "2": 0}
         assert view["2"]["cancel"] == {"count": 1, "ns": 250_000_000}
         assert view["0"]["compute_infer"] == {"count": 1, "ns": 500_000_000}
-        assert scheduler.stats.fail_reasons["cancelled"] == 1
+        assert runner.stats.fail_reasons["cancelled"] == 1
+        await asyncio.to_thread(instance.stop)
 
     run(main)
 
 
 def test_a_request_that_never_ran_counts_no_response():
-    from gpuserve.engine.request import InferenceRequest
-    from gpuserve.engine.streaming.executor import DecoupledExecutor
-
     async def main():
         clock = Clock()
         busy = GatedBackend(clock, count=0)
-        scheduler = FakeScheduler(busy)
-        executor = DecoupledExecutor(
-            scheduler, scheduler.config, "1", False, asyncio.get_running_loop(), clock=clock
-        )
-        running = executor.open(InferenceRequest("m", None, {"X": np.zeros(1, np.int32)}), 1)
-        queued = executor.open(
-            InferenceRequest("m", None, {"X": np.zeros(1, np.int32)}, timeout_us=1000), 1
-        )
-        clock.now += 1.0  # the queued one's timeout passes before the instance frees
-        busy.release.set()
-        item = await queued.channel.get()
+        runner, instance = await started_runner(busy, clock)
+        running = runner.stream(request())
+        await asyncio.to_thread(busy.sent.wait, 10)
+        queued = runner.stream(request(timeout_us=1000))
+        assert isinstance(running, DecoupledStream) and isinstance(queued, DecoupledStream)
+        clock.now += 1.0  # the queued one's timeout passes while the instance is busy
+        item = await queued.job.channel.get()
         assert item is not None and item.error is not None and item.error.reason == "timeout"
-        await _until(lambda: not running.running)
-        assert scheduler.stats.responses.by_index == {}
+        busy.release.set()
+        await _until(lambda: not running.job.running)
+        assert runner.stats.responses.by_index == {}
+        assert runner.stats.fail_reasons["timeout"] == 1
+        await asyncio.to_thread(instance.stop)
 
     run(main)

@@ -89,8 +89,9 @@ def test_the_factory_picks_the_runner_once_from_config_and_capabilities():
     assert relay.runner is runner  # the instances' results reach it
     decoupled = config(model_transaction_policy={"decoupled": True})
     streaming, relay = run_factory(decoupled, FakeInstance(Capabilities(streams=True)))
-    assert isinstance(streaming, StreamingRunner) and streaming.executor is not None
-    assert relay.runner is None  # a streaming runner takes no batch results
+    assert isinstance(streaming, StreamingRunner) and streaming.kind == "streaming"
+    assert streaming.core.streams  # the same scheduling core, its requests answered as streams
+    assert relay.runner is streaming  # its calls' results reach it as any batch's
     with pytest.raises(ConfigError, match="cannot stream responses"):
         run_factory(decoupled, FakeInstance())
 

@@ -4,12 +4,12 @@ A model with ``model_transaction_policy: {decoupled: true}`` answers one request
 more responses and a final mark. The engine runs it with one request at a time per instance
 by calling the backend's ``stream`` method::
 
-    backend.stream(inputs, sink)        # on a thread of the engine, the instance held
+    backend.stream(inputs, sink)        # on the instance's thread, the instance held
 
 A backend that can serve several requests in one call (Triton's ``execute(requests)``, each
 request with its own response sender) also has ``stream_batch``, and ``streams_batches`` True;
-the engine uses it for a model with ``dynamic_batching`` and ``max_batch_size > 0`` (see
-:mod:`gpuserve.engine.streaming.batching`)::
+the engine uses it for a model with ``dynamic_batching`` and ``max_batch_size > 0``, for the
+batches its dynamic batcher forms (see :mod:`gpuserve.engine.runners.streaming`)::
 
     backend.stream_batch([StreamCall(inputs, sink), ...])   # one sink per request
 

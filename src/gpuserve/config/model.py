@@ -231,7 +231,8 @@ class ModelConfig(_Strict):
         version_policy: Which versions are served.
         canary: Optional canary version and its traffic share (see ``CanaryConfig``).
         execution_timeout_s: A batch still running after this many seconds marks its
-            instance hung: its requests fail with 500 and the instance is replaced. 0 = off.
+            instance hung: its requests fail with 500 and the instance is replaced (a
+            decoupled model's batch runs until its model's call returns). 0 = off.
         parameters: Free-form values handed to the model at load.
         onnx: ONNX Runtime session settings (backend ``onnx`` only).
         huggingface: Model folder and task (backend ``huggingface`` only).
@@ -345,30 +346,6 @@ class ModelConfig(_Strict):
                     f"preferred_batch_sizes entry {size} exceeds max_batch_size="
                     f"{self.max_batch_size}"
                 )
-        return self
-
-    @model_validator(mode="after")
-    def _check_decoupled(self) -> ModelConfig:
-        # Settings the decoupled path does not honour are refused, not ignored; only these
-        # three are looked at (a decoupled model is otherwise free to set what it likes).
-        if not self.model_transaction_policy.decoupled:
-            return self
-        unhonoured = []
-        if self.execution_timeout_s:
-            unhonoured.append(f"execution_timeout_s={self.execution_timeout_s:g}")
-        if self.dynamic_batching.max_batch_tokens is not None:
-            unhonoured.append(
-                f"dynamic_batching.max_batch_tokens={self.dynamic_batching.max_batch_tokens}"
-            )
-        if self.dynamic_batching.adaptive is not None:
-            unhonoured.append("dynamic_batching.adaptive")
-        if unhonoured:
-            raise ValueError(
-                f"{', '.join(unhonoured)} cannot be used with "
-                "model_transaction_policy.decoupled: a decoupled model's requests run as "
-                "streams, which take no execution timeout, token budget or adaptive batching; "
-                "remove the setting"
-            )
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpuserve.backends.streaming import ResponseSink
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import GpuserveError
 
@@ -42,6 +43,11 @@ class Pending:
         tokens: Sum of its rows' lengths (0 without a cost).
         cancelled: Its caller went away after its batch formed (it runs, or ran, for
             nobody): it is counted ``cancelled`` whatever its batch gives it, and not retried.
+        started_s: When its batch was dispatched to an instance, seconds (0.0 before; set
+            for a decoupled model's requests, whose stream outlives the batch's result).
+        sink: Where a decoupled model's responses to it go (its stream's bounded buffer);
+            None for a request answered by one response. The instance hands it to the
+            backend's ``stream`` / ``stream_batch`` instead of stacking its inputs.
     """
 
     request: InferenceRequest
@@ -55,6 +61,8 @@ class Pending:
     length: int = 0
     tokens: int = 0
     cancelled: bool = False
+    started_s: float = 0.0
+    sink: ResponseSink | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)

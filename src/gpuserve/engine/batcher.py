@@ -59,7 +59,8 @@ from gpuserve.errors import OverloadedError
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig
 
-__all__ = ["Batch", "DynamicBatcher", "Pending"]  # Batch and Pending live in engine/batch.py
+# Batch and Pending live in engine/batch.py
+__all__ = ["Batch", "DynamicBatcher", "Pending", "batches_streams"]
 
 _MIN_REGATHER_S = 0.001
 
@@ -139,6 +140,18 @@ class Batcher(Protocol):
         ...
 
 
+def batches_streams(config: ModelConfig) -> bool:
+    """Whether ``config`` asks for batches of decoupled requests: decoupled, batching
+    (``max_batch_size > 0``) and ``dynamic_batching`` given in its configuration (as in
+    Triton, where a model without it runs one request per ``execute``). Its batches run in
+    one call only when its backend also declares ``Capabilities.streams_batches``."""
+    return (
+        config.model_transaction_policy.decoupled
+        and config.max_batch_size > 0
+        and "dynamic_batching" in config.model_fields_set
+    )
+
+
 def _gone(item: Pending) -> bool:
     probe = item.request.is_cancelled
     return probe is not None and probe()
@@ -169,14 +182,23 @@ class DynamicBatcher:
 
     @classmethod
     def for_config(
-        cls, config: ModelConfig, max_batch_tokens: int | None = None, unpadded: bool = False
+        cls,
+        config: ModelConfig,
+        max_batch_tokens: int | None = None,
+        unpadded: bool = False,
+        streams_batches: bool = False,
     ) -> DynamicBatcher:
         """The batcher of a version's ``max_batch_size`` and ``dynamic_batching`` settings
         (``max_batch_tokens``: the token budget, None for none; ``unpadded``: the instances
-        run variable-length rows without padding)."""
+        run variable-length rows without padding; ``streams_batches``: a decoupled model's
+        backend runs several streams in one call, see :func:`batches_streams`; without it a
+        decoupled model's batches hold one request each)."""
         db = config.dynamic_batching
+        one_each = config.model_transaction_policy.decoupled and not (
+            streams_batches and batches_streams(config)
+        )
         return cls(
-            max_batch_size=config.max_batch_size,
+            max_batch_size=0 if one_each else config.max_batch_size,
             max_queue_delay_s=db.max_queue_delay_us / 1e6,
             preferred_batch_sizes=db.preferred_batch_sizes,
             max_queue_size=db.max_queue_size,

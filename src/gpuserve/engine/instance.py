@@ -2,6 +2,12 @@
 
 Each batch passes three stages: stack the requests' inputs and ``preprocess`` (CPU),
 ``forward`` (device), ``postprocess`` and split the rows back to their requests (CPU).
+A decoupled model's batch is a batch of streams: its forward stage calls the backend's
+``stream`` (one request) or ``stream_batch`` (several) with each request's own inputs and
+response sink, the other two stages do nothing, and the result reports the call (its time,
+whether it raised): the responses went out through the sinks. The instance is free again
+when the call returns, even while a stream goes on (a Triton model that hands its response
+sender to a thread of its own).
 
 * ``pipeline_depth == 1``: one thread runs the stages one after another.
 * ``pipeline_depth > 1``: each stage has its own thread, joined by queues, and up to
@@ -32,6 +38,7 @@ from typing import Any
 
 from gpuserve.backends import call_scope
 from gpuserve.backends.base import Backend, Capabilities, LoadContext, RowErrors
+from gpuserve.backends.streaming import StreamCall
 from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
 from gpuserve.engine.assembly import (
@@ -82,6 +89,8 @@ class Instance:
         self.capabilities = Capabilities()
         self._outputs = OutputSpec.of(self.config)
         self._padding = PaddingSpec.of(self.config)
+        #: A decoupled model: each batch is a batch of streams (``_stream``).
+        self._streams = self.config.model_transaction_policy.decoupled
         self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
         self._first: queue.SimpleQueue[BatchResult | Callable[[], None] | None] = (
             queue.SimpleQueue()
@@ -267,6 +276,8 @@ class Instance:
 
     def _preprocess(self, job: BatchResult) -> None:
         job.started_s = t0 = time.monotonic()
+        if self._streams:  # each stream's backend call takes its request's own arrays
+            return
         self._trace.begin("preprocess", job)
         try:
             padding = self._padding
@@ -338,10 +349,13 @@ class Instance:
             tracing.enter_batch(job.batch.items)
         # a call made from forward passes on how long the batch's requests are awaited
         call_scope.enter_batch(item.request.awaited_until for item in job.batch.items)
-        try:
-            job.raw = self.backend.forward(job.prepared)
-        except BaseException as err:
-            self._fail(job, err)
+        if self._streams:
+            self._stream(job)
+        else:
+            try:
+                job.raw = self.backend.forward(job.prepared)
+            except BaseException as err:
+                self._fail(job, err)
         call_scope.leave_batch()
         if traced:
             tracing.leave_batch()
@@ -349,10 +363,34 @@ class Instance:
         job.prepared = None
         job.forward_s = time.monotonic() - t0
 
+    def _stream(self, job: BatchResult) -> None:
+        """The forward stage of a batch of streams: one backend call for the requests whose
+        clients have not gone (``stream`` for one, ``stream_batch`` for several), each
+        sending its responses to its own sink. The call's exception fails every stream of
+        it that had not ended (sent once, logged once). Never retried: responses may have
+        gone out."""
+        job.retryable = False
+        calls = [
+            StreamCall(item.request.inputs, item.sink)
+            for item in job.batch.items
+            if item.sink is not None and not item.sink.is_cancelled()
+        ]
+        if not calls:
+            return
+        try:
+            if len(calls) == 1:
+                self.backend.stream(calls[0].inputs, calls[0].sink)
+            else:
+                self.backend.stream_batch(calls)
+        except BaseException as err:
+            job.error = error = self._to_error(err)
+            for call in calls:
+                call.sink.send(None, final=True, error=error)
+
     def _postprocess(self, job: BatchResult, report: bool = True) -> None:
         t0 = time.monotonic()
         self._trace.begin("postprocess", job)
-        if job.error is None:
+        if job.error is None and not self._streams:
             try:
                 if wants_tensors(job.batch.items):  # an ensemble step takes device tensors
                     outputs = self.backend.postprocess_tensors(job.raw)

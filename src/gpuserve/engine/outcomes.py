@@ -166,6 +166,33 @@ class Outcomes:
             )
         )
 
+    def streamed(self, item: Pending, error: GpuserveError | None, now: float) -> None:
+        """Finish ``item``, a decoupled request whose stream ended at ``now`` (``error``:
+        what it ended with, None on success). Its outcome is that error, or a response
+        without outputs (they went out through its stream) carrying its timing: queue =
+        admission to its batch's dispatch (``started_s``), compute = dispatch to ``now``."""
+        started_s = item.started_s or now
+        queue_s = started_s - item.arrival_s
+        compute_s = now - started_s
+        if error is not None:
+            self.failed(item, error, queue_s, compute_s, now)
+            return
+        total_s = now - item.arrival_s
+        timing = RequestTiming(queue_s, compute_s, total_s, item.rows)
+        item.outcome = InferenceResponse(self.name, self.version, item.request.id, {}, timing)
+        self.stats.record_request(
+            RequestStats(
+                self.name,
+                self.version,
+                item.rows,
+                queue_s,
+                compute_s,
+                total_s,
+                None,
+                item.request.lane,
+            )
+        )
+
     def refused(self, error: GpuserveError, rows: int = 0) -> GpuserveError:
         """Record a request refused at admission (so a failure is never uncounted); returns
         ``error`` for the caller to raise."""

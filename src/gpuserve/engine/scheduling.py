@@ -31,6 +31,13 @@ Rules the core keeps:
   half it waits in, at once and is finished ``cancelled``; one whose batch runs is marked, then
   counted cancelled (never a success) and not retried. A request's ``is_cancelled`` probe is
   read as batches form too, for callers that cannot say so themselves.
+* **Streams**: a decoupled model's requests (``streams``) are admitted, queued, batched,
+  dispatched, timed out, cancelled and watched like any other, each with the sink its
+  responses go to (``Pending.sink``); its instance calls the backend's ``stream`` /
+  ``stream_batch`` with the sinks. A stream batch's result frees its instance and counts the
+  execution (the call's time, which adaptive batching observes); its requests finish when
+  their streams end (:meth:`SchedulerCore.stream_ended`), never by the result, and are never
+  retried (their responses may have gone out).
 * **Watchdog**: each in-flight batch has a deadline ``execution_timeout_s`` after dispatch; an
   instance past one is declared hung: its batches fail with a 500 naming the timeout, it is
   dropped from ``instances`` (its thread cannot be stopped), and a late result from it is
@@ -41,10 +48,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Generic
 
 from gpuserve.backends.base import Capabilities
+from gpuserve.backends.streaming import ResponseSink
 from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
 from gpuserve.engine.adaptive import AdaptiveBatching
@@ -83,6 +91,8 @@ __all__ = [  # the records live in engine/inflight.py and engine/outcomes.py
 logger = logging.getLogger(__name__)
 
 _NONE: tuple[Pending, ...] = ()
+#: The one shape key of a decoupled model's requests (each keeps its own tensors).
+_STREAMS = "stream"
 _NO_DISPATCH: tuple[InFlight[Any], ...] = ()
 
 
@@ -121,17 +131,27 @@ class SchedulerCore(Generic[W]):
         self.padding = PaddingSpec.of(config)
         # The batcher is built complete: its token budget (the config's, else the device's
         # default) and whether the instances run unpadded are known here, at load.
-        sequence = config.sequence_batching
+        #: Requests of a decoupled model: each answered by a stream (``Pending.sink``), not
+        #: by its batch's result (see "Streams" in the module docstring).
+        self.streams = config.model_transaction_policy.decoupled
+        # a decoupled model's sequence ids reach it through its sinks' parameters, its
+        # requests batched by the dynamic batcher whatever its sequence_batching says
+        sequence = None if self.streams else config.sequence_batching
         tokens = db.max_batch_tokens if sequence is None else sequence.max_batch_tokens
         if tokens is None:
             tokens = default_batch_tokens(on_gpu)
         self.batcher: Batcher = (
             SequenceBatcher(config, lambda: self.instances, tokens)
-            if config.sequence_batching is not None  # a stateful model (engine/sequence/batcher.py)
-            else DynamicBatcher.for_config(config, tokens, capabilities.unpadded)
+            if sequence is not None  # a stateful model (engine/sequence/batcher.py)
+            else DynamicBatcher.for_config(
+                config, tokens, capabilities.unpadded, capabilities.streams_batches
+            )
         )
-        #: Requests with a sequence id carry it per row (Triton models' correlation_id()).
-        self._correlated = wants_correlation_ids(config, self.padding is not None, capabilities)
+        #: Requests with a sequence id carry it per row (Triton models' correlation_id()); a
+        #: stream's model reads it from its sink's parameters instead.
+        self._correlated = not self.streams and wants_correlation_ids(
+            config, self.padding is not None, capabilities
+        )
         self.adaptive = (
             AdaptiveBatching(
                 db.adaptive.target_p99_ms / 1e3, config.max_batch_size, db.max_queue_delay_us / 1e6
@@ -189,8 +209,11 @@ class SchedulerCore(Generic[W]):
 
     # -- admission -------------------------------------------------------------------------
 
-    def admit(self, request: InferenceRequest, now: float) -> Pending:
+    def admit(
+        self, request: InferenceRequest, now: float, sink: ResponseSink | None = None
+    ) -> Pending:
         """Queue ``request`` at ``now``; the returned item is its handle until it finishes.
+        A decoupled model's request comes with the ``sink`` its responses go to.
 
         Raises:
             UnavailableError: not accepting (not attached yet, or closing).
@@ -217,13 +240,18 @@ class SchedulerCore(Generic[W]):
         if self._correlated:
             add_correlation_input(request, rows)
         padding = self.padding
+        if self.streams:  # never stacked: requests of any shapes share a batch
+            key: Hashable = _STREAMS
+        else:
+            key = shape_key(request) if padding is None else padding.key(request)
         item = Pending(
             request,
             rows,
-            shape_key(request) if padding is None else padding.key(request),
+            key,
             now,
             now + timeout_us / 1e6 if timeout_us else None,
             priority,
+            sink=sink,
         )
         cost = request.cost
         if cost is None and padding is not None:
@@ -317,6 +345,9 @@ class SchedulerCore(Generic[W]):
                 if pinned is not None:
                     instance = pinned
             dispatched.append(self._in_flight.add(instance, batch, now))
+            if self.streams:  # a stream's queue time ends here, its run goes on past its batch
+                for item in batch.items:
+                    item.started_s = now
             if not (retry or len(batcher)):
                 break
             instance = self._free_instance()
@@ -378,6 +409,8 @@ class SchedulerCore(Generic[W]):
         if self.adaptive is not None and error is None:
             self.adaptive.observe(batch, service_s)
         self.batcher.instance_freed(now, service_s, batch.rows)
+        if self.streams:  # each request finishes when its stream ends (stream_ended)
+            return Completion(_NONE)
         items = batch.items
         if error is not None:
             if result.retryable and len(items) > 1:
@@ -390,6 +423,18 @@ class SchedulerCore(Generic[W]):
         self._outcomes.answered(result, now)
         self.in_flight_requests -= len(items)
         return Completion(items)
+
+    def stream_ended(self, item: Pending, error: GpuserveError | None, now: float) -> bool:
+        """The stream of ``item`` (dispatched, a decoupled model's request) ended at ``now``:
+        its final response was taken (``error``: the one it ended with, None on success) or
+        it was cancelled (``error`` a :class:`CancelledRequestError`, its reason the one the
+        request is counted with). Finishes and counts it; False when it was finished already
+        (by the watchdog, a queue timeout, a drain)."""
+        if item.outcome is not None:
+            return False
+        self.in_flight_requests -= 1
+        self._outcomes.streamed(item, error, now)
+        return True
 
     def _retry_halves(
         self, batch: Batch, error: GpuserveError, started_s: float, now: float
@@ -452,8 +497,9 @@ class SchedulerCore(Generic[W]):
         for record in batches:
             self.batcher.ran(BatchResult(record.batch, error=error, retryable=False), now)
             for item in record.batch.items:
-                self._finish(item, error, 0.0, now - item.arrival_s, now)
-                finished.append(item)
+                if item.outcome is None:  # a stream may have ended while its call ran on
+                    self._finish(item, error, 0.0, now - item.arrival_s, now)
+                    finished.append(item)
         if not respawn and not self.instances:
             finished.extend(
                 self.drain(UnavailableError(f"model '{self.name}' has no working instance"), now)

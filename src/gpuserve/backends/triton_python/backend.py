@@ -23,7 +23,7 @@ Decoupled models (``model_transaction_policy { decoupled: true }``) get their re
 never split into rows: one request per ``execute``, or, with ``dynamic_batching`` and
 ``max_batch_size > 0``, the requests of a batch (``stream_batch``), each with its own
 ``get_response_sender()`` whose responses, final flag and ``is_cancelled()`` are that request's
-alone (see :mod:`gpuserve.engine.streaming.batching`).
+alone (batched by the engine's dynamic batcher, see :mod:`gpuserve.engine.runners.streaming`).
 
 ``request.correlation_id()`` is the request's ``sequence_id`` (an ``int``, or a ``str`` for a
 string id; 0 without one), for sequence models and any other: the engine carries it per row

@@ -1,8 +1,11 @@
 """The batching runner: the asyncio driver of one version's scheduling core.
 
-The runner of every version that is neither decoupled nor an ensemble (dynamic batching, or
+The runner of every version that is not an ensemble or generative (dynamic batching, or
 sequence batching: the core's batcher is the one its config asks for). It implements the
 :class:`~gpuserve.engine.runners.base.VersionRunner` contract (admission steps included).
+A decoupled version's runner (:class:`~gpuserve.engine.runners.streaming.StreamingRunner`)
+is this driver too, on the same core and instances; it answers each request through a stream
+instead of a future (its hooks: ``_open``, ``_dispatched``, ``_complete``, ``_deliver``).
 
 Every decision is :class:`~gpuserve.engine.scheduling.SchedulerCore`'s (admission, batch
 formation, dispatch, retry halves, expiry, the watchdog, statistics); this module only does the
@@ -29,7 +32,7 @@ from gpuserve.backends.base import Capabilities
 from gpuserve.config import ModelConfig
 from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.assembly import ShapeKey, shape_key
-from gpuserve.engine.batch import BatchResult, Pending
+from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.instance import Instance
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.engine.runners.base import VersionRunner
@@ -199,10 +202,15 @@ class BatchingRunner(VersionRunner):
             self._check_hung(now)
         plan = core.schedule(now)
         for record in plan.dispatched:
+            self._dispatched(record.batch, now)
             record.instance.submit(record.batch)
         if plan.finished:
             self._deliver(plan.finished)
         self._arm_timer(core.next_wakeup(now))
+
+    def _dispatched(self, batch: Batch, now: float) -> None:
+        """``batch`` goes to its instance at ``now`` (the streaming runner starts its
+        streams' clocks here); nothing to do for requests answered by their batch."""
 
     def _check_hung(self, now: float) -> None:
         respawn = self._respawn

@@ -8,7 +8,8 @@ The repository's loader starts a version's instances (each reports its backend's
   :class:`~gpuserve.engine.runners.generate.GenerateRunner`, continuous batching over a paged
   KV cache;
 * decoupled (``model_transaction_policy.decoupled``): a
-  :class:`~gpuserve.engine.runners.streaming.StreamingRunner`; its backend must stream;
+  :class:`~gpuserve.engine.runners.streaming.StreamingRunner` (the batching runner's driver
+  and core, each request answered through a stream); its backend must stream;
 * otherwise: a :class:`~gpuserve.engine.runners.batching.BatchingRunner` whose batcher (dynamic,
   or sequence with ``sequence_batching``) is built complete for the capabilities (unpadded
   rows, row ids) and the device (the default token budget).
@@ -67,7 +68,8 @@ def build_runner(
         loop: The server's event loop.
         relay: The instances' result relay; pointed at the runner here.
         admission_pool: Threads for admission steps of large requests.
-        respawn: Replaces an instance the watchdog found hung (batching runners).
+        respawn: Replaces an instance the watchdog found hung (batching and streaming
+            runners).
 
     Raises:
         ConfigError: the config asks for what the backend cannot do (a decoupled model
@@ -78,18 +80,18 @@ def build_runner(
         generating = GenerateRunner(config, version, capabilities, admission_pool)
         generating.attach(instances, loop)
         return generating
-    if config.model_transaction_policy.decoupled:
-        if instances and not capabilities.streams:
-            raise ConfigError(
+    if config.model_transaction_policy.decoupled and instances and not capabilities.streams:
+        raise ConfigError(
                 f"model '{config.name}': model_transaction_policy.decoupled is true, but "
                 f"backend '{config.backend}' cannot stream responses (a python model needs "
                 "generate(inputs), or Triton's TritonPythonModel with a response sender)"
             )
-        streaming = StreamingRunner(config, version, capabilities, admission_pool)
-        streaming.attach(instances, loop)
-        return streaming
     on_gpu = any(instance.context.device.startswith("cuda") for instance in instances)
-    runner = BatchingRunner(config, version, capabilities, admission_pool, on_gpu=on_gpu)
+    runner = (
+        StreamingRunner(config, version, capabilities, admission_pool, on_gpu=on_gpu)
+        if config.model_transaction_policy.decoupled
+        else BatchingRunner(config, version, capabilities, admission_pool, on_gpu=on_gpu)
+    )
     relay.runner = runner
     runner.attach(instances, loop, respawn)
     return runner

@@ -99,12 +99,12 @@ class BufferCore:
         """Whether an offer now would be refused as FULL."""
         return len(self._items) >= self.capacity
 
-    def offer(self, item: StreamItem) -> Offer:
-        """Add ``item`` unless the buffer is full, cancelled or already finished; its
-        ``index`` is set to its position in the stream."""
+    def offer(self, item: StreamItem, force: bool = False) -> Offer:
+        """Add ``item`` unless the buffer is full (``force``: even then, one over), cancelled
+        or already finished; its ``index`` is set to its position in the stream."""
         if self.cancelled or self.finished:
             return Offer.REFUSED
-        if self.full:
+        if self.full and not force:
             return Offer.FULL
         item.index = self.produced
         self._items.append(item)
@@ -245,6 +245,20 @@ class ResponseChannel:
         if wake:
             self._call_on_loop(self._ready.set)
         return verdict is Offer.ACCEPTED
+
+    def fail(self, error: GpuserveError) -> None:
+        """End the stream now with ``error`` as its final response, without waiting for room
+        in the buffer (the server ends it: a queue timeout, the watchdog, an unload); a model
+        still sending is refused from then on. A no-op once the stream ended. Any thread,
+        never blocks."""
+        with self._cond:
+            verdict = self.core.offer(StreamItem(None, True, error), force=True)
+            self._cond.notify_all()  # a producer waiting for room finds the stream over
+            wake = verdict is Offer.ACCEPTED and self._consumer_waiting
+            if wake:
+                self._consumer_waiting = False
+        if wake:
+            self._call_on_loop(self._ready.set)
 
     def _item(
         self, outputs: dict[str, Any] | None, final: bool, error: BaseException | None
