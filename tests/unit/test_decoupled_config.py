@@ -7,10 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpuserve.backends.base import Capabilities
 from gpuserve.config.model import ModelConfig, parse_model_config
 from gpuserve.engine.batcher import DynamicBatcher
 from gpuserve.engine.scheduling import SchedulerCore
+from gpuserve.errors import ConfigError
 
 PATH = Path("models/stream/config.yaml")
 
@@ -72,3 +75,14 @@ def test_a_model_that_is_not_decoupled_keeps_all_three():
     )
     loaded = ModelConfig.model_validate(config)
     assert loaded.execution_timeout_s == 5 and loaded.dynamic_batching.max_batch_tokens == 256
+
+
+def test_sequence_batching_on_a_decoupled_model_is_refused_naming_both():
+    with pytest.raises(ConfigError) as caught:
+        parse_model_config(
+            decoupled(sequence_batching={"max_sequence_idle_us": 1000000}),
+            PATH,
+            "stream",
+        )
+    message = str(caught.value)
+    assert "sequence_batching" in message and "decoupled" in message

@@ -340,6 +340,13 @@ class ModelConfig(_Strict):
                 "model_transaction_policy.decoupled needs backend 'python' (a Model.generate "
                 f"generator or Triton's response sender), got backend {self.backend!r}"
             )
+        if self.model_transaction_policy.decoupled and self.sequence_batching is not None:
+            # its requests would take the dynamic batcher's path: the sequence's routing,
+            # implicit state and control inputs would silently not happen
+            raise ValueError(
+                "sequence_batching is not supported on a decoupled model "
+                "(model_transaction_policy.decoupled: true): remove one of the two"
+            )
         for size in self.dynamic_batching.preferred_batch_sizes:
             if self.max_batch_size and size > self.max_batch_size:
                 raise ValueError(
