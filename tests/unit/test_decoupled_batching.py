@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gpuserve.backends.base import Capabilities
-from gpuserve.backends.streaming import StreamCall
+from gpuserve.backends.streaming import StreamCall, sink_context
 from gpuserve.backends.triton_python import bls
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.config import ModelConfig
@@ -259,7 +259,9 @@ def test_one_execute_serves_a_batch_each_request_through_its_own_sender(tmp_path
     sinks = [named_sink("a", 7), named_sink("b"), named_sink("c", cancel_after=1)]
     arrays = [np.array([[1, 2, 3]], np.int32), np.array([[10]], np.int32)]
     arrays.append(np.array([[20, 21]], np.int32))
-    backend.stream_batch([StreamCall({"IN": a}, s) for a, s in zip(arrays, sinks, strict=True)])
+    backend.stream_batch(
+        [StreamCall({"IN": a}, s, sink_context(s)) for a, s in zip(arrays, sinks, strict=True)]
+    )
     calls = type(backend.model).execute.__globals__["CALLS"]
     assert calls == [[("a", 7), ("b", 0), ("c", 0)]]
     sent = [[(None if o is None else o["OUT"].tolist(), f) for o, f, _ in s.sent] for s in sinks]

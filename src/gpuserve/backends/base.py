@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpuserve.backends.row_context import RowContext
 from gpuserve.config import ModelConfig
 from gpuserve.errors import BackendError, ConfigError
 
@@ -181,9 +182,10 @@ class Capabilities:
     Attributes:
         streams: :meth:`Backend.stream` runs one request as a stream of responses (decoupled).
         streams_batches: :meth:`Backend.stream_batch` runs several such requests in one call.
-        reads_row_ids: Batches carry each row's sequence id as
-            :data:`~gpuserve.backends.correlation.CORRELATION_INPUT` (Triton Python models
-            read ``request.correlation_id()``).
+        reads_rows: ``preprocess_rows`` takes the batch's row contexts (each row's request
+            id, sequence id and flags, parameters, cancellation: Triton Python models'
+            ``request.correlation_id()``, ``flags()``, ``is_cancelled()``...; see
+            :mod:`gpuserve.backends.row_context`).
         unpadded: Batches of variable-length rows run without padding (packed sequences):
             the batcher does not group by length and counts real tokens.
         takes_tensors: ``preprocess`` also takes ``torch.Tensor`` inputs (ensemble hand-off).
@@ -199,7 +201,7 @@ class Capabilities:
 
     streams: bool = False
     streams_batches: bool = False
-    reads_row_ids: bool = False
+    reads_rows: bool = False
     unpadded: bool = False
     takes_tensors: bool = False
     gives_tensors: bool = False
@@ -220,7 +222,7 @@ class Capabilities:
         return cls(
             streams=all(c.streams for c in each),
             streams_batches=all(c.streams_batches for c in each),
-            reads_row_ids=all(c.reads_row_ids for c in each),
+            reads_rows=all(c.reads_rows for c in each),
             unpadded=all(c.unpadded for c in each),
             takes_tensors=all(c.takes_tensors for c in each),
             gives_tensors=all(c.gives_tensors for c in each),
@@ -345,6 +347,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
         """CPU stage: turn batched numpy inputs into whatever ``forward`` takes."""
+
+    def preprocess_rows(self, inputs: dict[str, np.ndarray], rows: Sequence[RowContext]) -> Any:
+        """CPU stage of a backend that declares ``Capabilities.reads_rows``: as
+        :meth:`preprocess`, given also the batch's row contexts (one per row, in row order).
+        Without the capability the engine calls :meth:`preprocess`."""
+        return self.preprocess(inputs)
 
     @abc.abstractmethod
     def forward(self, prepared: Any) -> Any:

@@ -36,6 +36,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gpuserve.backends.row_context import (
+    NO_CONTEXT,
+    NO_ID,
+    RowContext,
+    sequence_flags,
+    sequence_id_of,
+)
+
 
 class ResponseSink(Protocol):
     """Where a decoupled backend sends one request's responses (thread-safe)."""
@@ -78,10 +86,26 @@ class StreamCall:
         inputs: The request's own arrays (batch dimension first; never stacked with other
             requests').
         sink: Where its responses go.
+        context: The request's context (its id, sequence id and flags, parameters,
+            cancellation; :mod:`gpuserve.backends.row_context`).
     """
 
     inputs: dict[str, np.ndarray]
     sink: ResponseSink
+    context: RowContext = NO_CONTEXT
+
+
+def sink_context(sink: ResponseSink) -> RowContext:
+    """The context of a request known only by its sink (``Backend.stream``): its id,
+    parameters (its sequence id and flags among them) and cancellation."""
+    parameters = sink.parameters
+    return RowContext(
+        sink.request_id,
+        sequence_id_of(parameters) or NO_ID,
+        sequence_flags(parameters),
+        parameters,
+        probe=sink.is_cancelled,
+    )
 
 
 def run_generator(responses: Iterator[dict[str, Any]], sink: ResponseSink) -> None:

@@ -8,11 +8,12 @@ scheduler's monotonic clock except :class:`BatchResult`'s, which the instance th
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpuserve.backends.row_context import RowContext
 from gpuserve.backends.streaming import ResponseSink
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import GpuserveError
@@ -111,6 +112,8 @@ class BatchResult:
         preprocess_s / forward_s / postprocess_s: Stage durations, seconds.
         prepared: What the backend's ``preprocess`` returned, until ``forward`` took it.
         raw: What the backend's ``forward`` returned, until ``postprocess`` took it.
+        rows: The batch's row contexts (one per row, built on first use), set when its
+            stages start.
     """
 
     batch: Batch
@@ -124,3 +127,4 @@ class BatchResult:
     postprocess_s: float = 0.0
     prepared: object = None
     raw: object = None
+    rows: Sequence[RowContext] = ()

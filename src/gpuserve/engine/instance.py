@@ -51,6 +51,7 @@ from gpuserve.engine.assembly import (
 )
 from gpuserve.engine.batch import Batch, BatchResult, Outputs, Pending
 from gpuserve.engine.padding import PaddingSpec
+from gpuserve.engine.rows import BatchRows, context_of
 from gpuserve.engine.warmup_samples import WarmupBatch, stream_sample, warmup_batches
 from gpuserve.errors import BackendError, GpuserveError, OutOfMemoryError
 
@@ -91,6 +92,7 @@ class Instance:
         self._padding = PaddingSpec.of(self.config)
         #: A decoupled model: each batch is a batch of streams (``_stream``).
         self._streams = self.config.model_transaction_policy.decoupled
+        self._reads_rows = False  # the backend's preprocess takes the batch's row contexts
         self._trace = tracing.StageTracer(f"{self.config.name}:{context.version}", context.device)
         self._first: queue.SimpleQueue[BatchResult | Callable[[], None] | None] = (
             queue.SimpleQueue()
@@ -155,6 +157,7 @@ class Instance:
             self.backend.load(self.context)
             loaded = True
             self.capabilities = self.backend.capabilities()  # read once, here
+            self._reads_rows = self.capabilities.reads_rows
             self.backend.warmup()
             self._run_warmup_samples()
         except BaseException as err:  # reported to start(), which re-raises
@@ -276,6 +279,7 @@ class Instance:
 
     def _preprocess(self, job: BatchResult) -> None:
         job.started_s = t0 = time.monotonic()
+        job.rows = rows = BatchRows(job.batch.items)
         if self._streams:  # each stream's backend call takes its request's own arrays
             return
         self._trace.begin("preprocess", job)
@@ -283,7 +287,10 @@ class Instance:
             padding = self._padding
             items = job.batch.items
             inputs = stack_inputs(items) if padding is None else padding.stack(items)
-            job.prepared = self.backend.preprocess(inputs)
+            if self._reads_rows:
+                job.prepared = self.backend.preprocess_rows(inputs, rows)
+            else:
+                job.prepared = self.backend.preprocess(inputs)
         except BaseException as err:
             self._fail(job, err)
         self._trace.end()
@@ -344,11 +351,9 @@ class Instance:
             return
         t0 = time.monotonic()
         self._trace.begin("forward", job)
-        traced = tracing.state.on  # a BLS call from forward nests under a traced request
-        if traced:
-            tracing.enter_batch(job.batch.items)
-        # a call made from forward passes on how long the batch's requests are awaited
-        call_scope.enter_batch(item.request.awaited_until for item in job.batch.items)
+        # a call made from forward inherits from the batch's rows: how long they are
+        # awaited, and the trace it nests under
+        call_scope.enter_batch(job.rows or BatchRows(job.batch.items))
         if self._streams:
             self._stream(job)
         else:
@@ -357,30 +362,29 @@ class Instance:
             except BaseException as err:
                 self._fail(job, err)
         call_scope.leave_batch()
-        if traced:
-            tracing.leave_batch()
         self._trace.end()
         job.prepared = None
         job.forward_s = time.monotonic() - t0
 
     def _stream(self, job: BatchResult) -> None:
         """The forward stage of a batch of streams: one backend call for the requests whose
-        clients have not gone (``stream`` for one, ``stream_batch`` for several), each
+        clients have not gone (``stream_batch`` with each request's inputs, sink and row
+        context; ``stream`` for one when the backend runs no batches of streams), each
         sending its responses to its own sink. The call's exception fails every stream of
         it that had not ended (sent once, logged once). Never retried: responses may have
         gone out."""
         job.retryable = False
         calls = [
-            StreamCall(item.request.inputs, item.sink)
+            StreamCall(item.request.inputs, item.sink, context_of(item.request))
             for item in job.batch.items
             if item.sink is not None and not item.sink.is_cancelled()
         ]
         if not calls:
             return
         try:
-            if len(calls) == 1:
+            if len(calls) == 1 and not self.capabilities.streams_batches:
                 self.backend.stream(calls[0].inputs, calls[0].sink)
-            else:
+            else:  # a batch of streams, or one with its context (Triton's execute)
                 self.backend.stream_batch(calls)
         except BaseException as err:
             job.error = error = self._to_error(err)

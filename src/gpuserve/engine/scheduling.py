@@ -60,7 +60,6 @@ from gpuserve.engine.assembly import request_rows, shape_key
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.batcher import Batcher, DynamicBatcher
 from gpuserve.engine.checks import priority_level
-from gpuserve.engine.correlation import add_correlation_input, wants_correlation_ids
 from gpuserve.engine.inflight import InFlight, InFlightTable, W, Worker
 from gpuserve.engine.lengths import default_batch_tokens
 from gpuserve.engine.outcomes import Completion, Hung, Outcomes, Schedule
@@ -147,11 +146,6 @@ class SchedulerCore(Generic[W]):
                 config, tokens, capabilities.unpadded, capabilities.streams_batches
             )
         )
-        #: Requests with a sequence id carry it per row (Triton models' correlation_id()); a
-        #: stream's model reads it from its sink's parameters instead.
-        self._correlated = not self.streams and wants_correlation_ids(
-            config, self.padding is not None, capabilities
-        )
         self.adaptive = (
             AdaptiveBatching(
                 db.adaptive.target_p99_ms / 1e3, config.max_batch_size, db.max_queue_delay_us / 1e6
@@ -237,8 +231,6 @@ class SchedulerCore(Generic[W]):
             except InvalidInputError as err:
                 raise self._outcomes.refused(err) from None
         rows = request_rows(request) if self._batched else 1
-        if self._correlated:
-            add_correlation_input(request, rows)
         padding = self.padding
         if self.streams:  # never stacked: requests of any shapes share a batch
             key: Hashable = _STREAMS

@@ -2,10 +2,10 @@
 model's BLS calls are nested under.
 
 **Request traces** (OpenTelemetry spans or Triton's JSON lines, made by the service): while
-:data:`state` says request tracing is on, an instance that runs a batch holding a traced
-request makes that request's trace the thread's current one (:func:`current_request_trace`)
-for the duration of ``forward``, so a BLS call the model makes from there becomes its child.
-With tracing off this is one attribute read per batch.
+:data:`state` says request tracing is on, a call a model makes from its batch's ``forward``
+nests under the batch's first traced request (:func:`current_request_trace`, read from the
+batch's row contexts, :mod:`gpuserve.backends.call_scope`). With tracing off this is one
+attribute read per call.
 
 **NVTX**: queue wait, preprocess, forward and postprocess.
 
@@ -27,6 +27,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from gpuserve.backends import call_scope
 from gpuserve.engine.batch import BatchResult, Pending
 from gpuserve.engine.request import RequestTrace
 
@@ -98,18 +99,17 @@ def queue_exit(items: Iterable[Pending]) -> None:
 
 
 class _RequestTracing:
-    """Whether request traces may exist, and each instance thread's current trace.
+    """Whether request traces may exist.
 
     ``on`` is true while at least one tracer is on (a server's trace settings, or
     ``--trace-config``, turn tracing on); tracers say so through :meth:`switch`, so several
     servers in one process (tests) do not turn each other's tracing off.
     """
 
-    __slots__ = ("_lock", "_tracers", "local", "on")
+    __slots__ = ("_lock", "_tracers", "on")
 
     def __init__(self) -> None:
         self.on = False
-        self.local = threading.local()
         self._tracers: set[int] = set()
         self._lock = threading.Lock()
 
@@ -126,22 +126,10 @@ class _RequestTracing:
 state = _RequestTracing()
 
 
-def enter_batch(items: Iterable[Pending]) -> None:
-    """Make the first traced request of a batch the thread's current trace (call only
-    while ``state.on``)."""
-    state.local.trace = next(
-        (item.request.trace for item in items if item.request.trace is not None), None
-    )
-
-
-def leave_batch() -> None:
-    """The batch's ``forward`` is over: no current trace on this thread."""
-    state.local.trace = None
-
-
 def current_request_trace() -> RequestTrace | None:
-    """The trace a call made on this thread now belongs under, or None."""
+    """The trace a call made on this thread now belongs under (the running batch's first
+    traced row, :mod:`gpuserve.backends.call_scope`), or None."""
     if not state.on:
         return None
-    trace: RequestTrace | None = getattr(state.local, "trace", None)
+    trace: RequestTrace | None = call_scope.current_trace()
     return trace

@@ -25,9 +25,11 @@ never split into rows: one request per ``execute``, or, with ``dynamic_batching`
 ``get_response_sender()`` whose responses, final flag and ``is_cancelled()`` are that request's
 alone (batched by the engine's dynamic batcher, see :mod:`gpuserve.engine.runners.streaming`).
 
-``request.correlation_id()`` is the request's ``sequence_id`` (an ``int``, or a ``str`` for a
-string id; 0 without one), for sequence models and any other: the engine carries it per row
-(:mod:`gpuserve.backends.correlation`), a decoupled request with its parameters.
+Each request ``execute`` receives reads its row's context (:mod:`gpuserve.backends.row_context`),
+whatever path the request came by: ``request_id()``, ``correlation_id()`` (the client's
+``sequence_id``, an ``int`` or a ``str``; 0 without one, for sequence models and any other),
+``flags()`` (``sequence_start`` / ``sequence_end``), ``parameters()`` and ``is_cancelled()``
+(its client went away while the batch ran).
 """
 
 from __future__ import annotations
@@ -43,18 +45,13 @@ from typing import Any
 
 import numpy as np
 
+from gpuserve.backends import call_scope
 from gpuserve.backends.base import AdmissionStep, Backend, Capabilities, LoadContext, RowErrors
 from gpuserve.backends.completion import check_completion, require_declared
-from gpuserve.backends.correlation import (
-    NO_ID,
-    correlation_ids,
-    sequence_id_of,
-    without_correlation_input,
-)
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.backends.python import PythonBackend
-from gpuserve.backends.streaming import ResponseSink, StreamCall
-from gpuserve.backends.triton_python import bls
+from gpuserve.backends.row_context import NO_CONTEXT, RowContext
+from gpuserve.backends.streaming import ResponseSink, StreamCall, sink_context
 from gpuserve.backends.triton_python import utils as pb_utils
 from gpuserve.backends.triton_python.auto_complete import auto_complete as auto_complete_config
 from gpuserve.backends.triton_python.auto_complete import hook_of
@@ -136,10 +133,21 @@ class _Executed:
     responses: list[Any]
 
 
-def _rows(arrays: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> int:
-    """Rows of a batch: its first model input's, else the sequence ids' own."""
-    source = arrays if arrays else inputs
-    return next(iter(source.values())).shape[0] if source else 0
+def _request(
+    tensors: list[pb_utils.Tensor], name: str, context: RowContext
+) -> pb_utils.InferenceRequest:
+    """The ``InferenceRequest`` ``execute`` receives for a row (or a request) of
+    ``context``."""
+    request = pb_utils.InferenceRequest(
+        tensors,
+        model_name=name,
+        request_id=context.request_id,
+        correlation_id=context.correlation_id,
+        parameters=dict(context.parameters),
+        flags=context.flags,
+    )
+    request._probe = context.probe  # type: ignore[attr-defined]  # is_cancelled()
+    return request
 
 
 class TritonPythonRunner(Backend):
@@ -178,26 +186,29 @@ class TritonPythonRunner(Backend):
             initialize(model_args(context))
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> list[pb_utils.InferenceRequest]:
-        """One request per batch row (batching model) or one for the whole arrays, each with
-        its row's sequence id as ``correlation_id()``."""
-        ids = None
-        arrays = without_correlation_input(inputs)
-        if arrays is not inputs:
-            ids = correlation_ids(inputs, 1 if not self.batched else _rows(arrays, inputs))
+        """As :meth:`preprocess_rows` with no row contexts (a warm-up sample)."""
+        return self.preprocess_rows(inputs, ())
+
+    def preprocess_rows(
+        self, inputs: dict[str, np.ndarray], rows: Sequence[RowContext]
+    ) -> list[pb_utils.InferenceRequest]:
+        """One request per batch row (batching model) or one for the whole arrays, each
+        with its row's context (module docstring)."""
         if not self.batched:
-            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-            return [pb_utils.InferenceRequest(tensors, correlation_id=ids[0] if ids else NO_ID)]
-        rows = _rows(arrays, inputs)
+            tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
+            return [_request(tensors, self.name, rows[0] if rows else NO_CONTEXT)]
+        count = next(iter(inputs.values())).shape[0] if inputs else 0
         return [
-            pb_utils.InferenceRequest(
-                [pb_utils.Tensor(name, array[row : row + 1]) for name, array in arrays.items()],
-                correlation_id=ids[row] if ids else NO_ID,
+            _request(
+                [pb_utils.Tensor(name, array[row : row + 1]) for name, array in inputs.items()],
+                self.name,
+                rows[row] if row < len(rows) else NO_CONTEXT,
             )
-            for row in range(rows)
+            for row in range(count)
         ]
 
     def forward(self, prepared: list[pb_utils.InferenceRequest]) -> _Executed:
-        with bls.installed(self.caller):  # InferenceRequest.exec() calls other models
+        with call_scope.with_caller(self.caller):  # InferenceRequest.exec() calls other models
             responses = self.model.execute(prepared)
             if inspect.iscoroutine(responses):  # ``async def execute`` (``await async_exec``)
                 responses = asyncio.run(responses)
@@ -269,19 +280,19 @@ class TritonPythonRunner(Backend):
 
     def capabilities(self) -> Capabilities:
         """A ``TritonPythonModel`` streams (its response sender), runs several streams in one
-        ``execute(requests)`` and reads its rows' ``correlation_id()``."""
-        return Capabilities(streams=True, streams_batches=True, reads_row_ids=True)
+        ``execute(requests)`` and reads its rows' contexts (``correlation_id()``...)."""
+        return Capabilities(streams=True, streams_batches=True, reads_rows=True)
 
     def stream(self, inputs: dict[str, np.ndarray], sink: ResponseSink) -> None:
         """Decoupled execution: ``execute([request])`` with the request's response sender
         bound to ``sink``; ``execute`` returns None and the model sends the responses, from
         ``execute`` or its own threads (see :mod:`gpuserve.backends.streaming`)."""
-        self.stream_batch([StreamCall(inputs, sink)])
+        self.stream_batch([StreamCall(inputs, sink, sink_context(sink))])
 
     def stream_batch(self, calls: Sequence[StreamCall]) -> None:
         """Decoupled execution of several requests in one ``execute(requests)``: one
-        ``InferenceRequest`` per call, in order, each with its own response sender bound to
-        its call's sink (its id, parameters and correlation id).
+        ``InferenceRequest`` per call, in order, each with its call's context and its own
+        response sender bound to its call's sink.
 
         Raises:
             BackendError: ``execute`` returned responses instead of None.
@@ -290,16 +301,11 @@ class TritonPythonRunner(Backend):
         requests = []
         for call in calls:
             sink = call.sink
-            request = pb_utils.InferenceRequest(
-                [pb_utils.Tensor(name, array) for name, array in call.inputs.items()],
-                model_name=self.name,
-                request_id=sink.request_id,
-                correlation_id=sequence_id_of(sink.parameters) or NO_ID,
-                parameters=sink.parameters,
-            )
+            tensors = [pb_utils.Tensor(name, array) for name, array in call.inputs.items()]
+            request = _request(tensors, self.name, call.context)
             request._sender = pb_utils.InferenceResponseSender(_ErrorMapping(sink))  # type: ignore[attr-defined]
             requests.append(request)
-        with bls.installed(self.caller):  # a decoupled model may call other models too
+        with call_scope.with_caller(self.caller):  # a decoupled model may call other models too
             returned = self.model.execute(requests)
             if inspect.iscoroutine(returned):  # ``async def execute``
                 returned = asyncio.run(returned)
@@ -425,10 +431,10 @@ class PythonModelBackend(Backend):
         self._impl().warmup()
 
     def preprocess(self, inputs: dict[str, np.ndarray]) -> Any:
-        impl = self._impl()
-        if isinstance(impl, TritonPythonRunner):
-            return impl.preprocess(inputs)  # reads the rows' sequence ids, then drops them
-        return impl.preprocess(without_correlation_input(inputs))
+        return self._impl().preprocess(inputs)
+
+    def preprocess_rows(self, inputs: dict[str, np.ndarray], rows: Sequence[RowContext]) -> Any:
+        return self._impl().preprocess_rows(inputs, rows)
 
     def forward(self, prepared: Any) -> Any:
         return self._impl().forward(prepared)

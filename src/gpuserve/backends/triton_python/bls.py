@@ -7,7 +7,8 @@ repository; the answer is a ``pb_utils.InferenceResponse`` whose ``has_error()``
 report a failure (the call never raises for the callee's errors, as in Triton), and whose
 ``output_tensors()`` hold the outputs. The call goes through the model's in-process caller
 (:class:`~gpuserve.engine.calls.InProcessCaller`, ``LoadContext.caller``), which the runner
-installs for its thread while ``execute`` runs (:func:`installed`); it is submitted to the
+sets in its thread's call scope while ``execute`` runs
+(:func:`gpuserve.backends.call_scope.with_caller`); it is submitted to the
 callee's own scheduler and waits at most the request's ``timeout`` (microseconds, Triton's
 unit; default 30 s), so a cycle of models calling each other fails instead of hanging.
 
@@ -16,8 +17,8 @@ client's ``sequence_id`` would: the id (a non-zero ``int`` or a non-empty ``str`
 call's ``sequence_id`` parameter, ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` / ``_END`` in
 ``flags`` its ``sequence_start`` / ``sequence_end``, so the callee's sequence batcher routes it
 to the sequence's slot (its state carries across calls of one id) and the callee's
-``request.correlation_id()`` is that id. The request's ``parameters`` (a dict or a JSON
-object string) go with the call too.
+``request.correlation_id()`` and ``request.flags()`` are those. The request's ``parameters``
+(a dict or a JSON object string) go with the call too.
 
 Decoupled calls: ``exec(decoupled=True)`` and ``await async_exec(decoupled=True)`` return a
 :class:`ResponseIterator` at once, and the callee's responses come from it as it produces them
@@ -31,9 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from gpuserve.backends import call_scope
@@ -49,8 +47,6 @@ from gpuserve.errors import (
     UnavailableError,
 )
 
-_local = threading.local()
-
 _CODES: dict[type[GpuserveError], int] = {
     InvalidInputError: pb_utils.TritonError.INVALID_ARG,
     ModelNotFoundError: pb_utils.TritonError.NOT_FOUND,
@@ -60,21 +56,6 @@ _CODES: dict[type[GpuserveError], int] = {
     UnavailableError: pb_utils.TritonError.UNAVAILABLE,
     CancelledRequestError: pb_utils.TritonError.CANCELLED,
 }
-
-
-@contextmanager
-def installed(caller: Any) -> Iterator[None]:
-    """Make ``caller`` the one ``exec`` uses on this thread while the block runs."""
-    previous = getattr(_local, "caller", None)
-    _local.caller = caller
-    try:
-        yield
-    finally:
-        _local.caller = previous
-
-
-def _current() -> Any:
-    return getattr(_local, "caller", None)
 
 
 def _error(message: str, code: int) -> pb_utils.InferenceResponse:
@@ -201,8 +182,8 @@ class ResponseIterator:
 
     async def __anext__(self) -> pb_utils.InferenceResponse:
         loop = asyncio.get_running_loop()
-        until = getattr(self._stream, "awaited_until", None)
-        response = await loop.run_in_executor(None, call_scope.within, until, self._next)
+        scope = call_scope.Scope.awaited(getattr(self._stream, "awaited_until", None))
+        response = await loop.run_in_executor(None, call_scope.within, scope, self._next)
         if response is None:
             raise StopAsyncIteration
         return response
@@ -260,8 +241,8 @@ def exec_request(
     """``request.exec()``: blocks this thread until the callee answers (or the timeout);
     with ``decoupled``, returns at once the iterator of its responses."""
     if decoupled:
-        return run_decoupled(request, _current())
-    return run(request, _current())
+        return run_decoupled(request, call_scope.caller())
+    return run(request, call_scope.caller())
 
 
 async def async_exec_request(
@@ -270,9 +251,9 @@ async def async_exec_request(
     """``await request.async_exec()``: as :func:`exec_request`, on a worker thread, so that
     several calls of one ``async def execute`` run at once (``asyncio.gather``); with
     ``decoupled``, the iterator of its responses (starting the call does not wait)."""
-    caller = _current()
+    caller = call_scope.caller()
     if decoupled:
         return run_decoupled(request, caller)
     loop = asyncio.get_running_loop()
-    until = call_scope.awaited_until()  # the worker thread serves the same batch
-    return await loop.run_in_executor(None, call_scope.within, until, run, request, caller)
+    scope = call_scope.current()  # the worker thread serves the same batch
+    return await loop.run_in_executor(None, call_scope.within, scope, run, request, caller)

@@ -224,16 +224,20 @@ class InferenceRequest:
         return self._parameters
 
     def flags(self) -> int:
-        """Request flags: on a request a model builds for BLS, the
-        ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` / ``_END`` bits it was given (a sequence
-        call's start and end, see :mod:`.bls`); 0 on the requests ``execute`` receives."""
+        """Request flags: ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` / ``_END`` bits. On a
+        request ``execute`` receives, its client's ``sequence_start`` / ``sequence_end``
+        (whatever path it came by); on one a model builds for BLS, those it was given."""
         return self._flags
 
     def is_cancelled(self) -> bool:
-        """Whether the client cancelled or went away (decoupled models; otherwise False: a
-        cancelled request never reaches ``execute``)."""
+        """Whether the client cancelled or went away: a decoupled request's stream, or a
+        request whose client left while its batch ran (a request cancelled before its batch
+        formed never reaches ``execute``)."""
         sender = getattr(self, "_sender", None)
-        return sender is not None and sender.is_cancelled()
+        if sender is not None:
+            return bool(sender.is_cancelled())
+        probe = getattr(self, "_probe", None)
+        return probe is not None and bool(probe())
 
     def get_response_sender(self) -> InferenceResponseSender:
         """The request's response sender (decoupled models).

@@ -82,10 +82,10 @@ def build_runner(
         return generating
     if config.model_transaction_policy.decoupled and instances and not capabilities.streams:
         raise ConfigError(
-                f"model '{config.name}': model_transaction_policy.decoupled is true, but "
-                f"backend '{config.backend}' cannot stream responses (a python model needs "
-                "generate(inputs), or Triton's TritonPythonModel with a response sender)"
-            )
+            f"model '{config.name}': model_transaction_policy.decoupled is true, but "
+            f"backend '{config.backend}' cannot stream responses (a python model needs "
+            "generate(inputs), or Triton's TritonPythonModel with a response sender)"
+        )
     on_gpu = any(instance.context.device.startswith("cuda") for instance in instances)
     runner = (
         StreamingRunner(config, version, capabilities, admission_pool, on_gpu=on_gpu)
