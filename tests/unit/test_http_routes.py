@@ -53,8 +53,8 @@ SAMPLES: dict[str, tuple[str, str, bytes, Any]] = {
         ("m", None, "generate_stream"),
     ),
     "Exact('/metrics')": ("GET", "/metrics", b"", None),
-    "Where(RepositoryApi.handles)": ("POST", "/v2/repository/models/m/load", b"", None),
-    "Where(handles)": ("PUT", "/v2/logging", b"", None),  # any method: the API answers
+    "Mount('/v2/repository')": ("POST", "/v2/repository/models/m/load", b"", ()),
+    "Where(handles)": ("PUT", "/v2/logging", b"", None),  # any method: the table answers
     "Exact('/v2/health/live')": ("HEAD", "/v2/health/live/", b"", ()),
     "Exact('/v2/health/ready')": ("GET", "/v2/health/ready", b"", ()),
     "Exact('/v2')": ("GET", "/v2/", b"", ()),

@@ -50,7 +50,7 @@ def batch_api(config: ServerConfig, app: HttpApp, metrics: ServerMetrics | None)
         openai.embeddings, openai.generation.generation, app.retrieval, app.limits, app.redactor
     )
     jobs = BatchJobs(StateDir(root), limits, lines)
-    openai.batches = BatchApi(jobs, config.access_log)
+    openai.serve_batches(BatchApi(jobs, config.access_log, app.spawn))
     if metrics is not None:
         register_batch_storage(metrics.registry, lambda: jobs.storage_bytes)
     return jobs

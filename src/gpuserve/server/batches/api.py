@@ -15,6 +15,10 @@ Endpoints::
     GET    /v1/batches/{id}           one batch: status and request_counts
     POST   /v1/batches/{id}/cancel    stop sending its lines
 
+The endpoints are the rows of :meth:`BatchApi.routes`; a path below a file or batch that no
+row takes is that object's 404, a method no row of the path takes 405 (an unknown id's 404
+first).
+
 An upload larger than ``batch_max_file_bytes``, with more lines than ``batch_max_lines``, or
 one the storage (``batch_max_storage_bytes``) has no room for is refused with 413 naming the
 setting. An id that is not of the server's own form is "not found", like an unknown one.
@@ -35,7 +39,7 @@ from gpuserve.errors import InvalidInputError
 from gpuserve.protocol.multipart import parse_form
 from gpuserve.server.batches.jobs import BatchJobs
 from gpuserve.server.batches.state import checked_batch_id, checked_file_id, new_id
-from gpuserve.server.batches.store import FileRecord
+from gpuserve.server.batches.store import BatchRecord, FileRecord
 from gpuserve.server.batches.wire import (
     WireError,
     batch_object,
@@ -46,6 +50,18 @@ from gpuserve.server.batches.wire import (
 )
 from gpuserve.server.http.openai_errors import ErrorAnswer, OpenAIHttpError, error_answer
 from gpuserve.server.http.request import HttpRequest, respond_json
+from gpuserve.server.http.routes import (
+    DELETE,
+    GET,
+    POST,
+    Answer,
+    Exact,
+    Params,
+    Route,
+    Router,
+    Template,
+    methods_text,
+)
 from gpuserve.service.outcome import AccessRecord, log_access
 
 logger = logging.getLogger(__name__)
@@ -59,76 +75,102 @@ MAX_BATCH_PAGE = 100
 MAX_FILE_PAGE = 10_000
 
 
-def handles(path: str) -> bool:
-    """Whether ``path`` (trailing ``/`` removed) is one of this API's."""
-    return path in (FILES, BATCHES) or path.startswith((FILES + "/", BATCHES + "/"))
-
-
 class BatchApi:
     """The endpoints of the module docstring.
 
     Args:
         jobs: The batch runner (and its store).
         access_log: Write one access line per answer.
+        spawn: Runs a coroutine as a task the HTTP front end keeps until it is done.
     """
 
-    def __init__(self, jobs: BatchJobs, access_log: bool) -> None:
+    def __init__(self, jobs: BatchJobs, access_log: bool, spawn: Spawn) -> None:
         self.jobs = jobs
         self.access_log = access_log
+        self._spawn = spawn
+        #: The table the OpenAI API mounts at ``/v1/files`` and ``/v1/batches`` (under its
+        #: auth; the paths without their trailing "/"s).
+        self.router = Router(self.routes, self._miss, fail=self._fail, strip=True)
 
-    def handles(self, path: str) -> bool:
-        """Whether ``path`` is one of this API's."""
-        return handles(path)
+    def routes(self) -> list[Route]:
+        """The endpoints, one row each."""
+        return [
+            Route(POST, Exact(FILES), self._upload_route),
+            Route(GET, Exact(FILES), self._list_files),
+            Route(GET, Template(FILES + "/{file_id}"), self._file),
+            Route(DELETE, Template(FILES + "/{file_id}"), self._delete_file),
+            Route(GET, Template(FILES + "/{file_id}/content"), self._content_route),
+            Route(POST, Exact(BATCHES), self._create),
+            Route(GET, Exact(BATCHES), self._list_batches),
+            Route(GET, Template(BATCHES + "/{batch_id}"), self._batch),
+            Route(POST, Template(BATCHES + "/{batch_id}/cancel"), self._cancel),
+        ]
 
-    def handle(self, request: HttpRequest, method: str, path: str, spawn: Spawn) -> None:
-        """Answer one request (``method``: HEAD as GET; ``path`` without a trailing ``/``),
-        at once or from a task ``spawn`` runs. Never raises."""
-        try:
-            parts = path.split("/")[2:]  # ['files', id, 'content'] ...
-            if parts[0] == "files":
-                self._files(request, method, parts[1:], spawn)
+    def _miss(
+        self, request: HttpRequest, method: str, path: str, allowed: frozenset[str] | None
+    ) -> Answer:
+        """Below a file or batch, an unknown id (or path) is "no such object", whatever
+        the method; another method of a known one, or of the lists, is 405."""
+        parts = path.split("/")  # ['', 'v1', 'files' | 'batches', id, ...]
+        if parts[2] == "batches" or len(parts) > 3:
+            self.jobs.store()  # 503 while shutting down, before the rest
+        if len(parts) > 3:
+            if parts[2] == "files":
+                self._file_record(parts[3])
             else:
-                self._batches(request, method, parts[1:])
-        except Exception as err:
-            self._fail(request, err)
+                self._batch_record(parts[3])
+            if allowed is None:  # a known id, an unknown path below it
+                kind = "File" if parts[2] == "files" else "Batch"
+                code = "file_not_found" if parts[2] == "files" else "batch_not_found"
+                raise OpenAIHttpError(404, f"No such {kind} object: {parts[3]}", code=code)
+        assert allowed is not None  # each list has rows
+        raise _method(method, request.path, methods_text(allowed))
+
+    def _file_record(self, text: str) -> FileRecord:
+        """The stored file of id ``text``; 404 when there is none."""
+        file_id = checked_file_id(text)
+        record = self.jobs.store().file(file_id) if file_id is not None else None
+        if record is None:
+            raise OpenAIHttpError(404, f"No such File object: {text}", code="file_not_found")
+        return record
+
+    def _batch_record(self, text: str) -> BatchRecord:
+        """The batch of id ``text``; 404 when there is none."""
+        batch_id = checked_batch_id(text)
+        record = self.jobs.store().batch(batch_id) if batch_id is not None else None
+        if record is None:
+            raise OpenAIHttpError(404, f"No such Batch object: {text}", code="batch_not_found")
+        return record
 
     # -- files -----------------------------------------------------------------------------
 
-    def _files(self, request: HttpRequest, method: str, rest: list[str], spawn: Spawn) -> None:
-        if not rest:
-            if method == "POST":
-                spawn(self._upload(request))
-            elif method == "GET":
-                self._list_files(request)
-            else:
-                raise _method(method, request.path, "GET or POST")
-            return
+    def _upload_route(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        self._spawn(self._upload(request))
+        return None
+
+    def _file(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        record = self._file_record(params[0])
+        self._send(request, 200, orjson.dumps(file_object(record)))
+        return None
+
+    def _delete_file(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        record = self._file_record(params[0])
         store = self.jobs.store()
-        file_id = checked_file_id(rest[0])
-        record = store.file(file_id) if file_id is not None else None
-        if record is None or len(rest) > 2 or (len(rest) == 2 and rest[1] != "content"):
-            raise OpenAIHttpError(404, f"No such File object: {rest[0]}", code="file_not_found")
-        if len(rest) == 2:
-            if method != "GET":
-                raise _method(method, request.path, "GET")
-            spawn(self._content(request, record))
-        elif method == "GET":
-            self._send(request, 200, orjson.dumps(file_object(record)))
-        elif method == "DELETE":
-            users = store.file_users(record.id)
-            if users:
-                raise InvalidInputError(
-                    f"file {record.id} is the input of batch {users[0]}, which is not "
-                    "finished: cancel it first"
-                )
-            self.jobs.state.file(record.id).unlink(missing_ok=True)
-            store.delete_file(record.id)
-            self.jobs.refresh_storage()
-            self._send(
-                request, 200, orjson.dumps({"id": record.id, "object": "file", "deleted": True})
+        users = store.file_users(record.id)
+        if users:
+            raise InvalidInputError(
+                f"file {record.id} is the input of batch {users[0]}, which is not "
+                "finished: cancel it first"
             )
-        else:
-            raise _method(method, request.path, "GET or DELETE")
+        self.jobs.state.file(record.id).unlink(missing_ok=True)
+        store.delete_file(record.id)
+        self.jobs.refresh_storage()
+        self._send(request, 200, orjson.dumps({"id": record.id, "object": "file", "deleted": True}))
+        return None
+
+    def _content_route(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        self._spawn(self._content(request, self._file_record(params[0])))
+        return None
 
     async def _upload(self, request: HttpRequest) -> None:
         try:
@@ -192,7 +234,7 @@ class BatchApi:
             return
         self._send(request, 200, orjson.dumps(file_object(record)))
 
-    def _list_files(self, request: HttpRequest) -> None:
+    def _list_files(self, request: HttpRequest, _method: str, _: Params) -> Answer:
         query = _query(request)
         limit = _limit(query, MAX_FILE_PAGE, MAX_FILE_PAGE)
         order = query.get("order", "desc")
@@ -205,6 +247,7 @@ class BatchApi:
         total = self.jobs.refresh_storage()
         payload = page([file_object(r) for r in records], more, total_bytes=total)
         self._send(request, 200, payload)
+        return None
 
     async def _content(self, request: HttpRequest, record: FileRecord) -> None:
         try:
@@ -221,37 +264,34 @@ class BatchApi:
 
     # -- batches ---------------------------------------------------------------------------
 
-    def _batches(self, request: HttpRequest, method: str, rest: list[str]) -> None:
+    def _list_batches(self, request: HttpRequest, _method: str, _: Params) -> Answer:
         store = self.jobs.store()
-        if not rest:
-            if method == "POST":
-                self._create(request)
-            elif method == "GET":
-                query = _query(request)
-                limit = _limit(query, 20, MAX_BATCH_PAGE)
-                records, more = store.batches(query.get("after"), limit)
-                self._send(request, 200, page([batch_object(r) for r in records], more))
-            else:
-                raise _method(method, request.path, "GET or POST")
-            return
-        batch_id = checked_batch_id(rest[0])
-        record = store.batch(batch_id) if batch_id is not None else None
-        if record is None or len(rest) > 2 or (len(rest) == 2 and rest[1] != "cancel"):
-            raise OpenAIHttpError(404, f"No such Batch object: {rest[0]}", code="batch_not_found")
-        if len(rest) == 2:
-            if method != "POST":
-                raise _method(method, request.path, "POST")
-            if record.status not in ("validating", "in_progress", "cancelling", "cancelled"):
-                raise InvalidInputError(
-                    f"batch {record.id} is {record.status}: only a validating or in_progress "
-                    "batch can be cancelled"
-                )
-            record = self.jobs.cancel(record.id) or record
-        elif method != "GET":
-            raise _method(method, request.path, "GET")
-        self._send(request, 200, orjson.dumps(batch_object(record)))
+        query = _query(request)
+        limit = _limit(query, 20, MAX_BATCH_PAGE)
+        records, more = store.batches(query.get("after"), limit)
+        self._send(request, 200, page([batch_object(r) for r in records], more))
+        return None
 
-    def _create(self, request: HttpRequest) -> None:
+    def _batch(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        self.jobs.store()  # 503 while shutting down, before the id's 404
+        record = self._batch_record(params[0])
+        self._send(request, 200, orjson.dumps(batch_object(record)))
+        return None
+
+    def _cancel(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        self.jobs.store()
+        record = self._batch_record(params[0])
+        if record.status not in ("validating", "in_progress", "cancelling", "cancelled"):
+            raise InvalidInputError(
+                f"batch {record.id} is {record.status}: only a validating or in_progress "
+                "batch can be cancelled"
+            )
+        record = self.jobs.cancel(record.id) or record
+        self._send(request, 200, orjson.dumps(batch_object(record)))
+        return None
+
+    def _create(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        self.jobs.store()  # 503 while shutting down, before the body's 400
         try:
             document = orjson.loads(request.body)
         except orjson.JSONDecodeError as err:
@@ -273,6 +313,7 @@ class BatchApi:
             )
         batch = self.jobs.create(create, record)
         self._send(request, 200, orjson.dumps(batch_object(batch)))
+        return None
 
     # -- answers ---------------------------------------------------------------------------
 

@@ -41,8 +41,10 @@ With an API token configured, every endpoint but the health checks, ``/metrics``
 outside the repository-relative part.
 
 Every endpoint is one row of one ordered table, :meth:`HttpApp.routes` (first match wins; see
-:mod:`gpuserve.server.http.routes`). The inference row, the per-request hot path, is also
-tested before the table, in three C-level string tests that give the table's answer sooner.
+:mod:`gpuserve.server.http.routes`); a sub-API (OpenAI's ``/v1``, the repository's
+``/v2/repository``, Triton's extensions) is one row there that mounts its own table, with its
+own 404/405, errors and auth. The inference row, the per-request hot path, is also tested
+before the table, in three C-level string tests that give the table's answer sooner.
 A path no row takes is 404, or 405 under ``/v2`` for a method other than GET/POST. Errors are
 ``{"error": "..."}`` with the status from :mod:`gpuserve.server.status`; no stack trace ever
 reaches a client.
@@ -53,7 +55,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -62,13 +64,18 @@ from gpuserve.config import ServerConfig
 from gpuserve.errors import GpuserveError, InvalidInputError, UnauthenticatedError
 from gpuserve.protocol.http_codec import HttpInferBody, encode_infer_response
 from gpuserve.protocol.limits import RequestLimits
-from gpuserve.server.http import extensions_api, generate, openai, retrieval_api, tei_info
+from gpuserve.server.http import (
+    extensions_api,
+    generate,
+    openai,
+    repository_api,
+    retrieval_api,
+    tei_info,
+)
 from gpuserve.server.http import views as encode
 from gpuserve.server.http.openapi import openapi_json
-from gpuserve.server.http.repository_api import RepositoryApi
 from gpuserve.server.http.request import JSON, HttpRequest, traceparent
 from gpuserve.server.http.routes import (
-    ANY,
     GET,
     POST,
     Answer,
@@ -82,6 +89,7 @@ from gpuserve.server.http.routes import (
     Suffix,
     Where,
     compile_routes,
+    mount,
     no_route,
     split_model_path,
 )
@@ -124,10 +132,10 @@ class HttpApp:
         self.metrics = service.metrics
         self.access_log = config.access_log
         self.config = config
-        self.repository = RepositoryApi(service)
-        self.extensions = extensions_api.ExtensionsApi(service)  # shm, trace, logging
         self.tokens = Tokens(config)
         self.redactor = Redactor(config.model_repository)
+        self.repository = repository_api.RepositoryApi(service, self.redactor, self._later)
+        self.extensions = extensions_api.ExtensionsApi(service)  # shm, trace, logging
         self.limits = RequestLimits(
             config.max_tensor_elements,
             config.max_bytes_element_bytes,
@@ -143,7 +151,7 @@ class HttpApp:
             lambda request, status, size: self._streamed(request, status, size),
         )
         self.openai = openai.OpenAIApi(
-            service, self.tokens, self.limits, self.redactor, config.access_log, self._spawn
+            service, self.tokens, self.limits, self.redactor, config.access_log, self.spawn
         )
         self.retrieval = retrieval_api.RetrievalApi(
             service,
@@ -151,9 +159,9 @@ class HttpApp:
             self.limits,
             self.redactor,
             config.access_log,
-            self._spawn,
+            self.spawn,
         )
-        self.openai.rerank = self.retrieval.cohere  # POST /v1/rerank, under OpenAI's mount
+        self.openai.serve_rerank(self.retrieval.cohere)  # POST /v1/rerank, in OpenAI's table
         self.tei_info = tei_info.TeiInfoApi(
             service, self.retrieval, self.limits, self.redactor, config.admission_workers
         )
@@ -165,18 +173,20 @@ class HttpApp:
         Rows before the first one without ``own_auth`` see the request first; every other
         row (and a path no row takes) needs the API token when one is configured, except the
         open paths (:data:`~gpuserve.server.security.OPEN_HTTP_PATHS`) and the repository's,
-        whose commands check their own tokens.
+        whose commands check their own tokens. A sub-API's table is mounted by one row
+        (:func:`~gpuserve.server.http.routes.mount`): its rows, its 404/405, its errors.
         """
         return [
-            # OpenAI's sub-API: its own errors and auth, any method (405s of its own).
-            Route(ANY, Mount("/v1"), self._openai, own_auth=True),
+            # OpenAI's table: its own errors and auth, any method (404/405s of its own).
+            mount("/v1", self.openai.router, own_auth=True),
             # The hot path: POST .../{m}[/versions/{v}]/infer (inlined at the top of handle).
             Route(POST, Suffix(INFER), self._infer),
             Route(POST, ModelAction(*generate.ENDPOINTS), self._generate),
             Route(GET, Exact("/metrics"), self._metrics_route, when=self.metrics is not None),
-            Route(POST, Where(self.repository.handles), self._repository_route),
-            # shared memory, trace and log settings: any method (the API answers 404 itself).
-            Route(ANY, Where(extensions_api.handles), self._extension),
+            # the repository's table: V2's 404/405; its calls check the repository's tokens.
+            mount("/v2/repository", self.repository.router),
+            # shared memory, trace and log settings: any method (the table's 404 for the rest).
+            mount(Where(extensions_api.handles), self.extensions.router),
             # GET views: "/"s after the path ignored.
             Route(GET, Exact("/v2/health/live", trailing_slash=True), self._live),
             Route(GET, Exact("/v2/health/ready", trailing_slash=True), self._ready),
@@ -260,7 +270,7 @@ class HttpApp:
         path = request.path
         if (
             path not in OPEN_HTTP_PATHS
-            and not self.repository.handles(path)
+            and not repository_api.own_tokens(path)
             and not self.tokens.allows_api(request.headers)
         ):
             raise HttpError(
@@ -313,7 +323,7 @@ class HttpApp:
         if self.access_log:
             _log_access(request, status, size, time.monotonic() - request.started_s)
 
-    def _spawn(
+    def spawn(
         self, coroutine: Coroutine[Any, Any, None], serving: HttpRequest | None = None
     ) -> None:
         """Run ``coroutine`` as a task; one ``serving`` a request is cancelled when that
@@ -325,10 +335,6 @@ class HttpApp:
             serving.on_gone = task.cancel
 
     # -- the rows' handlers: (request, method with HEAD as GET, the matcher's params) ------
-
-    def _openai(self, request: HttpRequest, method: str, _: Params) -> Answer:
-        self.openai.handle(request, method)  # OpenAI's errors, auth included
-        return None
 
     def _cohere_rerank(self, request: HttpRequest, method: str, params: Params) -> Answer:
         self.retrieval.cohere(request, method, params)  # Cohere's errors
@@ -356,7 +362,7 @@ class HttpApp:
             self.service.extensions.shared_memory,
         )
         if self.service.cold(name):  # loads on demand first; a loaded model never gets here
-            self._spawn(self._infer_cold(request, name, version, wire), request)
+            self.spawn(self._infer_cold(request, name, version, wire), request)
             return None
         # A request whose client disconnects while it waits leaves the queue at once (the
         # connection cancels its future, see _submit) and never runs; the probe is the
@@ -368,23 +374,12 @@ class HttpApp:
 
     def _generate(self, request: HttpRequest, _method: str, params: Params) -> Answer:
         name, version, endpoint = params  # Triton's generate extension
-        self._spawn(self.generate.handle(request, name, version, endpoint), request)
+        self.spawn(self.generate.handle(request, name, version, endpoint), request)
         return None
 
     def _metrics_route(self, request: HttpRequest, _method: str, _: Params) -> Answer:
-        self._spawn(self._metrics(request))
+        self.spawn(self._metrics(request))
         return None
-
-    def _repository_route(self, request: HttpRequest, _method: str, _: Params) -> Answer:
-        self._spawn(self._repository(request))
-        return None
-
-    def _extension(self, request: HttpRequest, method: str, _: Params) -> Answer:
-        """Triton's shared-memory, trace-setting and log-setting endpoints."""
-        try:
-            return self.extensions.handle(method, request.path, request.body)
-        except LookupError:
-            raise HttpError(404, f"no endpoint {method} {request.path}") from None
 
     def _live(self, _request: HttpRequest, _method: str, _: Params) -> Answer:
         return 200, b'{"live":true}'
@@ -509,17 +504,19 @@ class HttpApp:
         parts = path.split("/")  # ['', 'v2', 'models', name, ...]
         self.service.record_unrouted(parts[3] if len(parts) > 3 else "", None, reason)
 
-    async def _repository(self, request: HttpRequest) -> None:
-        path = request.path
-        try:
-            payload = await self.repository.handle(path, request.headers, request.body)
-        except LookupError:
-            self._fail(request, HttpError(404, f"no endpoint POST {path}"))
-            return
-        except Exception as err:
-            self._fail(request, err)
-            return
-        self._send(request, 200, self.redactor.json(payload))
+    def _later(self, request: HttpRequest, result: Awaitable[bytes]) -> None:
+        """Answer ``request`` from a task: 200 with the JSON body ``result`` gives, or the
+        error it raises (repository commands)."""
+
+        async def answer() -> None:
+            try:
+                payload = await result
+            except Exception as err:
+                self._fail(request, err)
+                return
+            self._send(request, 200, payload)
+
+        self.spawn(answer())
 
 
 def _log_access(request: HttpRequest, status: int, size: int, total_s: float) -> None:

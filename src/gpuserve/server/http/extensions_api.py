@@ -16,6 +16,9 @@
 The shared-memory endpoints answer 403 unless the server allows client shared memory
 (``--allow-client-shm``). Success bodies of register/unregister are empty, as Triton's; errors
 are ``{"error": "..."}`` with the status of the one error table.
+
+The endpoints are the rows of :meth:`ExtensionsApi.routes`, a table the HTTP app mounts on the
+paths :func:`handles` takes (a trailing "/" ignored); a path or method no row takes is 404.
 """
 
 from __future__ import annotations
@@ -27,14 +30,29 @@ from typing import Any
 import orjson
 
 from gpuserve.errors import InvalidInputError
+from gpuserve.server.http.request import HttpRequest
+from gpuserve.server.http.routes import (
+    GET,
+    POST,
+    Answer,
+    Exact,
+    Handler,
+    HttpError,
+    Params,
+    Route,
+    Router,
+    Template,
+)
 from gpuserve.service.inference import InferenceService
 
 _SHM = ("/v2/systemsharedmemory", "/v2/cudasharedmemory")
 _TRACE = "/trace/setting"
+_MODEL_TRACE = "/v2/models/{model}" + _TRACE
 
 
 def handles(path: str) -> bool:
-    """Whether ``path`` is one of these endpoints (a few string tests)."""
+    """Whether ``path`` is below this API's mount (a few string tests; the table decides
+    the rest)."""
     if path.startswith(_SHM) or path == "/v2/logging" or path == "/v2/trace/setting":
         return True
     return path.startswith("/v2/models/") and path.endswith(_TRACE)
@@ -60,7 +78,8 @@ def _integer(document: dict[str, Any], key: str, what: str, default: int | None 
 
 
 class ExtensionsApi:
-    """Handles the endpoints above for one inference service.
+    """The table of the endpoints above for one inference service: :attr:`router`, the rows
+    of :meth:`routes`.
 
     Args:
         service: The inference service (its :attr:`~InferenceService.extensions`).
@@ -68,38 +87,58 @@ class ExtensionsApi:
 
     def __init__(self, service: InferenceService) -> None:
         self.extensions = service.extensions
+        #: The table the HTTP app mounts on :func:`handles` (V2's errors; a path no row
+        #: takes is 404, whatever the method).
+        self.router = Router(self.routes, self._miss, strip=True)
 
-    def handle(self, method: str, path: str, body: bytes | bytearray) -> tuple[int, bytes]:
-        """Answer one call: (HTTP status, JSON body).
+    def routes(self) -> list[Route]:
+        """The endpoints, one row each (the paths without their trailing "/"s)."""
+        rows = []
+        for cuda, base in ((False, _SHM[0]), (True, _SHM[1])):
+            region = base + "/region/{name}/"
+            rows += [
+                Route(GET, Exact(base + "/status"), self._shm("status", cuda)),
+                Route(GET, Template(region + "status"), self._shm("status", cuda)),
+                Route(POST, Template(region + "register"), self._shm("register", cuda)),
+                Route(POST, Exact(base + "/unregister"), self._shm("unregister", cuda)),
+                Route(POST, Template(region + "unregister"), self._shm("unregister", cuda)),
+            ]
+        return [
+            *rows,
+            Route(GET, Exact("/v2/logging"), self._logs),
+            Route(POST, Exact("/v2/logging"), self._set_logs),
+            Route(GET, Exact("/v2/trace/setting"), self._traces),
+            Route(POST, Exact("/v2/trace/setting"), self._set_traces),
+            Route(GET, Template(_MODEL_TRACE), self._traces),
+            Route(POST, Template(_MODEL_TRACE), self._set_traces),
+        ]
 
-        Raises:
-            GpuserveError: the refusal (403 shared memory off, 400 bad body or value, 404
-                unknown model).
-            LookupError: no such endpoint (the caller answers 404/405).
-        """
-        path = path.rstrip("/")
-        if path.startswith(_SHM):
-            return self._shared_memory(method, path, body)
-        if path == "/v2/logging":
-            logs = self.extensions.logs
-            if method == "POST":
-                return 200, orjson.dumps(logs.update(_json_object(body, "log settings")))
-            if method == "GET":
-                return 200, orjson.dumps(logs.get())
-            raise LookupError(path)
-        model = None
-        if path != "/v2/trace/setting":
-            model = path[len("/v2/models/") : -len(_TRACE)]
-            if not model or "/" in model:
-                raise LookupError(path)
-            self.extensions.check_model(model)
-        traces = self.extensions.traces
-        if method == "GET":
-            return 200, orjson.dumps(traces.get(model))
-        if method != "POST":
-            raise LookupError(path)
+    def _miss(
+        self, request: HttpRequest, method: str, path: str, allowed: frozenset[str] | None
+    ) -> Answer:
+        """404 ``no endpoint``, whatever the method (an unknown model's own 404 first)."""
+        if allowed is not None and path.startswith("/v2/models/"):
+            self.extensions.check_model(path.split("/")[3])
+        raise HttpError(404, f"no endpoint {method} {request.path}")
+
+    # -- the rows' handlers: (request, method, params), an answer (status, JSON body) -------
+
+    def _logs(self, _request: HttpRequest, _method: str, _: Params) -> Answer:
+        return 200, orjson.dumps(self.extensions.logs.get())
+
+    def _set_logs(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        changes = _json_object(request.body, "log settings")
+        return 200, orjson.dumps(self.extensions.logs.update(changes))
+
+    def _traces(self, _request: HttpRequest, _method: str, params: Params) -> Answer:
+        """The trace settings: the server's (no params), or a model's."""
+        model = self._trace_model(params)
+        return 200, orjson.dumps(self.extensions.traces.get(model))
+
+    def _set_traces(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        model = self._trace_model(params)
         changes: dict[str, list[str] | None] = {}
-        for key, value in _json_object(body, "trace settings").items():
+        for key, value in _json_object(request.body, "trace settings").items():
             if value is None or (type(value) is list and all(type(v) is str for v in value)):
                 changes[key] = value
             elif type(value) is str:
@@ -109,27 +148,29 @@ class ExtensionsApi:
                     f"trace setting {key!r} must be a string, a list of strings or null, "
                     f"got {value!r}"
                 )
-        return 200, orjson.dumps(traces.update(changes, model))
+        return 200, orjson.dumps(self.extensions.traces.update(changes, model))
 
-    def _shared_memory(self, method: str, path: str, body: bytes | bytearray) -> tuple[int, bytes]:
-        cuda = path.startswith("/v2/cudasharedmemory")
-        parts = path.split("/")[3:]  # ['region', name, action] or [action]
-        if len(parts) == 1:
-            name, action = "", parts[0]
-        elif len(parts) == 3 and parts[0] == "region" and parts[1]:
-            name, action = parts[1], parts[2]
-        else:
-            raise LookupError(path)
-        if (action == "status") != (method == "GET") or action not in (
-            "status",
-            "register",
-            "unregister",
-        ):
-            raise LookupError(path)
-        if action == "register" and not name:
-            raise LookupError(path)
-        if cuda:
-            return self._cuda(action, name, body)
+    def _trace_model(self, params: Params) -> str | None:
+        """The model of a model's trace-setting row (checked: 404 unknown), else None."""
+        if params is None:
+            return None
+        (model,) = params
+        self.extensions.check_model(model)
+        return str(model)
+
+    def _shm(self, action: str, cuda: bool) -> Handler:
+        """The handler of a shared-memory row: ``action`` on the system or CUDA registry,
+        of one region (the row's ``{name}``) or of every one."""
+
+        def handler(request: HttpRequest, _method: str, params: Params) -> Answer:
+            name = params[0] if params else ""
+            if cuda:
+                return self._cuda(action, name, request.body)
+            return self._system(action, name, request.body)
+
+        return handler
+
+    def _system(self, action: str, name: str, body: bytes | bytearray) -> Answer:
         registry = self.extensions.system_registry()
         if action == "status":
             return 200, orjson.dumps(registry.status(name or None))
@@ -149,7 +190,7 @@ class ExtensionsApi:
         )
         return 200, b""
 
-    def _cuda(self, action: str, name: str, body: bytes | bytearray) -> tuple[int, bytes]:
+    def _cuda(self, action: str, name: str, body: bytes | bytearray) -> Answer:
         registry = self.extensions.cuda_registry()
         if action == "status":
             return 200, orjson.dumps(registry.status(name or None))

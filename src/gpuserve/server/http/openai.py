@@ -20,6 +20,12 @@ are OpenAI's ``{"error": {...}}`` (see :mod:`gpuserve.server.http.openai_errors`
 API token configured every ``/v1`` endpoint needs ``Authorization: Bearer <token>``, the same
 token as V2.
 
+The endpoints are the rows of one table, :meth:`OpenAIApi.routes` (the Files and Batch API's
+a table of its own, mounted in it), which the HTTP app mounts at ``/v1``
+(:class:`~gpuserve.server.http.routes.Router`). A trailing "/" is ignored. A path no row
+takes is OpenAI's 404 ``Invalid URL``, whatever the method; one a row takes with another
+method is 405 ``method_not_allowed``.
+
 One embeddings call carries at most the server's ``max_inputs_per_call`` inputs (413
 beyond, nothing computed; the check of every embeddings and retrieval route); its chunks are
 queued a window at a time, so other clients' requests are served between them. A client's
@@ -54,6 +60,18 @@ from gpuserve.protocol.openai_generate import Kind
 from gpuserve.server.http.openai_errors import OpenAIHttpError, error_answer
 from gpuserve.server.http.openai_generate import GenerationApi
 from gpuserve.server.http.request import HttpRequest, respond_json, traceparent
+from gpuserve.server.http.routes import (
+    GET,
+    POST,
+    Answer,
+    Exact,
+    Params,
+    Route,
+    Router,
+    Template,
+    methods_text,
+    mount,
+)
 from gpuserve.server.security import Redactor, Tokens
 from gpuserve.server.timing import (
     COMPUTE_TIME_US_HEADER,
@@ -67,9 +85,9 @@ from gpuserve.service.apis.embeddings import (
     EmbeddingsService,
     created,
 )
+from gpuserve.service.apis.retrieval import KINDS, serves
 from gpuserve.service.inference import InferenceService
 from gpuserve.service.outcome import AccessRecord
-from gpuserve.service.apis.retrieval import KINDS, serves
 
 if TYPE_CHECKING:
     from gpuserve.server.batches.api import BatchApi
@@ -77,6 +95,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PREFIX = "/v1"
+FILES = "/v1/files"
+BATCHES = "/v1/batches"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
 #: Generation endpoints -> the kind of body each takes.
@@ -84,11 +104,6 @@ GENERATION: dict[str, Kind] = {"/v1/completions": "completion", "/v1/chat/comple
 MODELS = "/v1/models"
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
-
-
-def handles(path: str) -> bool:
-    """Whether ``path`` belongs to this API (``/v1`` and below)."""
-    return path == PREFIX or path.startswith("/v1/")
 
 
 class OpenAIApi:
@@ -120,65 +135,96 @@ class OpenAIApi:
         self.access_log = access_log
         self._spawn = spawn
         self.generation = GenerationApi(service, redactor, access_log, self._fail)
-        #: ``POST /v1/rerank``: set by the HTTP app to the retrieval API's handler.
+        #: ``POST /v1/rerank``: the retrieval API's handler (see :meth:`serve_rerank`).
         self.rerank: Callable[[HttpRequest, str, object], None] | None = None
-        #: ``/v1/files`` and ``/v1/batches``: set by the server to its Batch API.
+        #: ``/v1/files`` and ``/v1/batches``: the server's Batch API (see
+        #: :meth:`serve_batches`).
         self.batches: BatchApi | None = None
+        #: The ``/v1`` table (the HTTP app mounts it): OpenAI's errors and auth.
+        self.router = Router(
+            self.routes, self._miss, fail=self._error, guard=self._guard, strip=True
+        )
 
-    def handle(self, request: HttpRequest, method: str) -> None:
-        """Answer one ``/v1`` request: at once, or (embeddings) when its chunks are done.
-        ``method`` is the request's, with HEAD as GET. Never raises."""
-        path = request.path.rstrip("/") or "/"
-        model = "-"
+    def routes(self) -> list[Route]:
+        """The ``/v1`` endpoints, one row each (the paths without their trailing "/"s)."""
+        rows = [
+            Route(POST, Exact(RERANK), self._rerank, when=self.rerank is not None),
+            Route(POST, Exact(EMBEDDINGS), self._embeddings),
+            *(Route(POST, Exact(path), self._generation) for path in GENERATION),
+            Route(GET, Exact(MODELS), self._model_list),
+            Route(GET, Template(MODELS + "/{model:path}"), self._model),
+        ]
+        if self.batches is not None:  # its own errors, under this API's auth
+            rows += [mount(path, self.batches.router) for path in (FILES, BATCHES)]
+        return rows
+
+    def serve_rerank(self, rerank: Callable[[HttpRequest, str, object], None]) -> None:
+        """Answer ``POST /v1/rerank`` with ``rerank`` (the retrieval API's handler)."""
+        self.rerank = rerank
+        self.router.reload()
+
+    def serve_batches(self, batches: BatchApi) -> None:
+        """Answer ``/v1/files`` and ``/v1/batches`` with ``batches`` (the server's Batch API)."""
+        self.batches = batches
+        self.router.reload()
+
+    # -- the table's auth rule, "no route" answer and error answer -------------------------
+
+    def _guard(self, request: HttpRequest, path: str) -> None:
+        """The API token, when one is configured, on every ``/v1`` path (a refused
+        embeddings or generation call is counted as unrouted)."""
+        if self.tokens.api is not None and not self.tokens.allows_api(request.headers):
+            if path == EMBEDDINGS or path in GENERATION:
+                self.service.record_unrouted("", None, UnauthenticatedError.reason)
+            raise UnauthenticatedError("this endpoint needs 'Authorization: Bearer <API token>'")
+
+    def _miss(
+        self, request: HttpRequest, method: str, path: str, allowed: frozenset[str] | None
+    ) -> Answer:
+        if allowed is None:
+            # any method: an endpoint gpuserve does not serve (audio, ...) is OpenAI's 404
+            # ``Invalid URL``, so its client raises NotFoundError
+            raise OpenAIHttpError(404, f"Invalid URL ({request.method} {request.path})")
+        raise OpenAIHttpError(
+            405, f"{method} {path}: use {methods_text(allowed)}", code="method_not_allowed"
+        )
+
+    def _error(self, request: HttpRequest, err: BaseException) -> None:
+        self._fail(request, err, AccessRecord("", request.method, request.path, 0))
+
+    # -- the rows' handlers: (request, method with HEAD as GET, the matcher's params) ------
+
+    def _rerank(self, request: HttpRequest, method: str, _: Params) -> Answer:
+        assert self.rerank is not None  # the row is in the table only then
+        self.rerank(request, method, None)
+        return None
+
+    def _embeddings(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        body = self._parse(request)
+        self._spawn(self._embed(request, body))
+        return None
+
+    def _generation(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        kind = GENERATION[request.path.rstrip("/")]
+        self._spawn(self.generation.handle(request, kind))
+        return None
+
+    def _model_list(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        self._ok(request, encode_model_list(self._models()))
+        return None
+
+    def _model(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        (model,) = params
         try:
-            if self.tokens.api is not None and not self.tokens.allows_api(request.headers):
-                if path == EMBEDDINGS or path in GENERATION:
-                    self.service.record_unrouted("", None, UnauthenticatedError.reason)
-                raise UnauthenticatedError(
-                    "this endpoint needs 'Authorization: Bearer <API token>'"
-                )
-            if path == RERANK and self.rerank is not None:
-                if method != "POST":
-                    raise OpenAIHttpError(
-                        405, f"{method} {path}: use POST", code="method_not_allowed"
-                    )
-                self.rerank(request, method, None)
-                return
-            if self.batches is not None and self.batches.handles(path):
-                self.batches.handle(request, method, path, self._spawn)
-                return
-            kind = GENERATION.get(path)
-            if kind is not None:
-                if method != "POST":
-                    raise OpenAIHttpError(
-                        405, f"{method} {path}: use POST", code="method_not_allowed"
-                    )
-                self._spawn(self.generation.handle(request, kind))
-                return
-            if path == EMBEDDINGS:
-                if method != "POST":
-                    raise OpenAIHttpError(
-                        405, f"{method} {path}: use POST", code="method_not_allowed"
-                    )
-                body = self._parse(request)
-                model = body.model
-                self._spawn(self._embed(request, body))
-                return
-            if path != MODELS and not path.startswith(MODELS + "/"):
-                # any method: an endpoint gpuserve does not serve (chat completions, ...) is
-                # OpenAI's 404 ``Invalid URL``, so its client raises NotFoundError
-                raise OpenAIHttpError(404, f"Invalid URL ({request.method} {request.path})")
-            if method != "GET":
-                raise OpenAIHttpError(405, f"{method} {path}: use GET", code="method_not_allowed")
-            if path == MODELS:
-                payload = encode_model_list(self._models())
-            else:
-                model = path[len(MODELS) + 1 :]
-                view = next((v for v in self._models() if v.id == model), None)
-                payload = encode_model(view or self.embeddings.model(model))
-        except Exception as err:
+            view = next((v for v in self._models() if v.id == model), None)
+            payload = encode_model(view or self.embeddings.model(model))
+        except Exception as err:  # the access line names the model asked for
             self._fail(request, err, AccessRecord("", request.method, request.path, 0, model))
-            return
+            return None
+        self._ok(request, payload)
+        return None
+
+    def _ok(self, request: HttpRequest, payload: bytes) -> None:
         self._send(request, 200, payload, AccessRecord("", request.method, request.path, 200))
 
     def _models(self) -> list[EmbeddingModelView]:

@@ -18,90 +18,158 @@ paths). A load may carry a configuration, as Triton's does:
 files, base64-encoded, as ``"file:<relative path>": "<base64>"`` parameters (``config`` then
 required; see :mod:`gpuserve.service.model_files`).
 
-Success bodies are the model's status view.
+Success bodies are the model's status view. The endpoints are the rows of
+:meth:`RepositoryApi.routes`, a table the HTTP app mounts at ``/v2/repository``; a path no row
+takes is V2's 404 (405 for a method other than GET or POST). Its calls check the repository's
+tokens, not the API token (:func:`own_tokens`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from gpuserve.errors import InvalidInputError
-from gpuserve.server.security import Headers, bearer_token, check_model_name
+from gpuserve.server.http.request import HttpRequest
+from gpuserve.server.http.routes import (
+    POST,
+    Answer,
+    Exact,
+    Handler,
+    HttpError,
+    Params,
+    Route,
+    Router,
+    Template,
+    no_route,
+)
+from gpuserve.server.security import Redactor, bearer_token, check_model_name
 from gpuserve.service.commands import CanaryRequest
 from gpuserve.service.inference import InferenceService
 from gpuserve.service.model_files import FILE_PREFIX
 
-_PREFIX = "/v2/repository/models/"
-_READ_ONLY = {"status"}
-_ACTIONS = {
-    "load",
-    "unload",
-    "rollback",
-    "canary",
-    "canary/promote",
-    "canary/abort",
-    "status",
-    "trace",
-}
+INDEX = "/v2/repository/index"
+MODELS = "/v2/repository/models/"
+MODEL = MODELS + "{name}/"  # a row's path: MODEL + its action
+
+#: Answers a request later: ``later(request, result)`` awaits ``result`` (the JSON body of
+#: a 200 answer, redacted) and answers with it, or with the error it raises.
+Later = Callable[[HttpRequest, Awaitable[bytes]], None]
+
+
+def own_tokens(path: str) -> bool:
+    """Whether ``path`` is one whose calls check the repository's tokens themselves (the
+    API token is not asked first): the index and everything below ``/v2/repository/models/``."""
+    return path == INDEX or path.startswith(MODELS)
 
 
 class RepositoryApi:
-    """Handles ``POST /v2/repository/...``.
+    """The table of ``/v2/repository``: :attr:`router`, the rows of :meth:`routes`.
 
     Args:
         service: The inference service whose repository commands the calls run.
+        redactor: Takes file paths out of the answers.
+        later: Answers a call whose command is awaited (see :data:`Later`).
     """
 
-    def __init__(self, service: InferenceService) -> None:
+    def __init__(self, service: InferenceService, redactor: Redactor, later: Later) -> None:
         self.commands = service.repository
+        self.redactor = redactor
+        self.later = later
+        #: The table the HTTP app mounts at ``/v2/repository`` (V2's errors).
+        self.router = Router(self.routes, _miss)
 
-    def handles(self, path: str) -> bool:
-        """Whether ``path`` is one of these endpoints."""
-        return path == "/v2/repository/index" or path.startswith(_PREFIX)
-
-    async def handle(self, path: str, headers: Headers, body: bytes | bytearray) -> bytes:
-        """Serve one call; returns the JSON body of a 200 answer.
-
-        Raises:
-            GpuserveError: refused or failed (mapped by the status table).
-            LookupError: an unknown path (the caller answers 404).
-        """
+    def routes(self) -> list[Route]:
+        """The endpoints, one row each."""
         commands = self.commands
-        token = bearer_token(headers)
-        if path == "/v2/repository/index":
-            commands.authorize_read(token)
-            ready_only = bool(_json_body(body).get("ready", False))
-            return orjson.dumps(commands.index(ready_only))
-        name, _, action = path[len(_PREFIX) :].partition("/")
-        if not name or action not in _ACTIONS:
-            raise LookupError(path)
-        if action in _READ_ONLY:
-            commands.authorize_read(token)
+        return [
+            Route(POST, Exact(INDEX), self._index),
+            Route(POST, Template(MODEL + "load"), self._load),
+            Route(POST, Template(MODEL + "unload"), self._change(lambda m: commands.unload(m))),
+            Route(POST, Template(MODEL + "rollback"), self._change(lambda m: commands.rollback(m))),
+            Route(POST, Template(MODEL + "canary"), self._canary),
+            Route(
+                POST,
+                Template(MODEL + "canary/promote"),
+                self._change(lambda m: commands.promote_canary(m)),
+            ),
+            Route(
+                POST,
+                Template(MODEL + "canary/abort"),
+                self._change(lambda m: commands.abort_canary(m)),
+            ),
+            Route(POST, Template(MODEL + "status"), self._status),
+            Route(POST, Template(MODEL + "trace"), self._trace),
+        ]
+
+    # -- the rows' handlers: (request, method, (model name,)) ------------------------------
+
+    def _index(self, request: HttpRequest, _method: str, _: Params) -> Answer:
+        self.commands.authorize_read(bearer_token(request.headers))
+        ready_only = bool(_json_body(request.body).get("ready", False))
+        return self._ok(self.commands.index(ready_only))
+
+    def _status(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        name = self._model(request, params, read=True)
+        return self._ok(self.commands.status(name))
+
+    def _load(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        name = self._model(request, params)
+        body = _json_body(request.body)
+        self._answer(request, self.commands.load(name, _config_override(body), _files(body)))
+        return None
+
+    def _canary(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        name = self._model(request, params)
+        canary = _canary_body(_json_body(request.body))
+        self._answer(request, self.commands.set_canary(name, canary))
+        return None
+
+    def _trace(self, request: HttpRequest, _method: str, params: Params) -> Answer:
+        name = self._model(request, params)
+        return self._ok(self.commands.trace(name, _batches(_json_body(request.body))))
+
+    def _change(self, command: Callable[[str], Awaitable[object]]) -> Handler:
+        """The handler of a changing command that takes the model name alone."""
+
+        def handler(request: HttpRequest, _method: str, params: Params) -> Answer:
+            self._answer(request, command(self._model(request, params)))
+            return None
+
+        return handler
+
+    def _model(self, request: HttpRequest, params: Params, read: bool = False) -> str:
+        """The call's model name, once its token is allowed (read or change) and the name
+        checked."""
+        token = bearer_token(request.headers)
+        if read:
+            self.commands.authorize_read(token)
         else:
-            commands.authorize_change(token)
+            self.commands.authorize_change(token)
+        (name,) = params
         check_model_name(name)
-        if action == "load":
-            request = _json_body(body)
-            view = await commands.load(name, _config_override(request), _files(request))
-        elif action == "unload":
-            view = await commands.unload(name)
-        elif action == "rollback":
-            view = await commands.rollback(name)
-        elif action == "canary":
-            view = await commands.set_canary(name, _canary_body(_json_body(body)))
-        elif action == "canary/promote":
-            view = await commands.promote_canary(name)
-        elif action == "canary/abort":
-            view = await commands.abort_canary(name)
-        elif action == "trace":
-            return orjson.dumps(commands.trace(name, _batches(_json_body(body))))
-        else:
-            view = commands.status(name)
-        return orjson.dumps(view)
+        return str(name)
+
+    def _ok(self, view: object) -> Answer:
+        return 200, self.redactor.json(orjson.dumps(view))
+
+    def _answer(self, request: HttpRequest, view: Awaitable[object]) -> None:
+        async def body() -> bytes:
+            return self.redactor.json(orjson.dumps(await view))
+
+        self.later(request, body())
+
+
+def _miss(request: HttpRequest, method: str, path: str, _: frozenset[str] | None) -> Answer:
+    """V2's 404/405 (:func:`~gpuserve.server.http.routes.no_route`); a POST to a path of the
+    commands names it as sent, trailing "/" included."""
+    if method == "POST" and own_tokens(path):
+        raise HttpError(404, f"no endpoint POST {path}")
+    raise no_route(method, path)
 
 
 def _json_body(body: bytes | bytearray) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -65,12 +65,17 @@ from gpuserve.server.timing import (
 )
 from gpuserve.service.apis.embedding_models import count_pool
 from gpuserve.service.apis.embeddings import EmbeddingsService
+from gpuserve.service.apis.retrieval import KINDS, Kind, RetrievalService, RowsResult
 from gpuserve.service.inference import InferenceService, WireRequest
 from gpuserve.service.outcome import AccessRecord
-from gpuserve.service.apis.retrieval import KINDS, Kind, RetrievalService, RowsResult
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 Header = tuple[bytes, bytes]
+Probe = Callable[[], bool]
+#: A TEI endpoint's answer: its JSON body, and the rows' result (None: no rows counted).
+Answered = tuple[bytes, "RowsResult | None"]
+#: A TEI endpoint: (document, disconnect probe, traceparent, asked as /models/{model}).
+Endpoint = Callable[[dict[str, Any], Probe, "str | None", bool], Awaitable[Answered]]
 
 #: TEI's endpoints, by path.
 TEI_PATHS = ("/rerank", "/predict", "/embed", "/embed_sparse", "/tokenize", "/similarity")
@@ -106,6 +111,16 @@ class RetrievalApi:
         self.redactor = redactor
         self.access_log = access_log
         self._spawn = spawn
+        #: TEI's endpoints by path (the HTTP app's rows for :data:`TEI_PATHS` and the
+        #: one ``POST /`` and ``/models/{model}`` pick).
+        self._endpoints: dict[str, Endpoint] = {
+            "/rerank": self._tei_rerank,
+            "/predict": self._tei_predict,
+            "/embed": self._tei_embed,
+            "/embed_sparse": self._tei_embed_sparse,
+            "/tokenize": self._tei_tokenize,
+            "/similarity": self._tei_similarity,
+        }
 
     # -- the rows' handlers ----------------------------------------------------------------
 
@@ -163,69 +178,93 @@ class RetrievalApi:
     async def _endpoint(
         self, path: str, document: dict[str, Any], request: HttpRequest, nested: bool
     ) -> tuple[bytes, RowsResult | None]:
-        probe = request.is_disconnected
+        """The answer of TEI endpoint ``path`` (its row of :attr:`_endpoints`) to
+        ``document``; ``nested``: asked as ``/models/{model}``."""
+        endpoint = self._endpoints.get(path)
+        if endpoint is None:
+            raise ModelNotFoundError(f"no endpoint POST {path}")
         context = traceparent(request) if self.service.tracing else None
-        if path == "/rerank":
-            call = codec.parse_tei_rerank(document)
-            scores, result = await self.rerank_scores(call, probe, traceparent=context)
-            return codec.encode_tei_rerank(call, scores), result
-        if path == "/predict":
-            predict = codec.parse_predict(document)
-            model = self.retrieval.resolve("classification", predict.model)
-            self._bound(model, "classification", len(predict.texts), "inputs")
-            result = await self.retrieval.run(
-                "classification",
-                model,
-                predict.texts,
-                predict.pairs,
-                probe,
-                traceparent=context,
-            )
-            section = result.config.classification
-            assert section is not None  # the wire refused a version without it
-            logits = result.outputs[section.output].astype(np.float32)
-            if predict.raw_scores:
-                scores = logits
-            else:
-                # one label, or several independent ones: a sigmoid each (as transformers'
-                # pipeline), else a softmax over the labels
-                single = section.multi_label or logits.shape[1] == 1
-                scores = codec.sigmoid(logits) if single else codec.softmax(logits)
-            labels = section.labels or [f"LABEL_{i}" for i in range(logits.shape[1])]
-            if nested and not predict.batched:  # the Inference API's shape
-                predict = codec.PredictCall(**{**_fields(predict), "batched": True})
-            return codec.encode_predict(predict, scores, labels), result
-        if path == "/embed_sparse":
-            texts = codec.parse_texts(document)
-            model = self.retrieval.resolve("sparse", texts.model)
-            self._bound(model, "sparse", len(texts.texts), "inputs")
-            result = await self.retrieval.run(
-                "sparse", model, texts.texts, None, probe, traceparent=context
-            )
-            sparse = result.config.sparse
-            assert sparse is not None
-            indices = result.outputs[sparse.indices_output]
-            values = result.outputs[sparse.values_output].astype(np.float32)
-            return codec.encode_sparse(indices, values), result
-        if path == "/embed":
-            texts = codec.parse_texts(document)
-            self.limits.check_inputs("inputs", len(texts.texts))
-            vectors = await self._embed(texts.model, texts.texts, texts.dimensions, probe, context)
-            if texts.normalize:
-                vectors = _normalized(vectors)
-            return orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY), None
-        if path == "/similarity":
-            similar = codec.parse_similarity(document)
-            self.limits.check_inputs("inputs", len(similar.sentences) + 1)  # and the source
-            rows = [similar.source, *similar.sentences]
-            vectors = _normalized(await self._embed(similar.model, rows, None, probe, context))
-            cosines = vectors[1:] @ vectors[0]
-            return orjson.dumps([float(c) for c in cosines]), None
-        if path == "/tokenize":
-            texts = codec.parse_texts(document)
-            self.limits.check_inputs("inputs", len(texts.texts))
-            return await self._tokenize(texts), None
-        raise ModelNotFoundError(f"no endpoint POST {path}")
+        return await endpoint(document, request.is_disconnected, context, nested)
+
+    # -- TEI's endpoints: (document, disconnect probe, traceparent, nested) -> (body, rows) --
+
+    async def _tei_rerank(
+        self, document: dict[str, Any], probe: Probe, context: str | None, _nested: bool
+    ) -> Answered:
+        call = codec.parse_tei_rerank(document)
+        scores, result = await self.rerank_scores(call, probe, traceparent=context)
+        return codec.encode_tei_rerank(call, scores), result
+
+    async def _tei_predict(
+        self, document: dict[str, Any], probe: Probe, context: str | None, nested: bool
+    ) -> Answered:
+        predict = codec.parse_predict(document)
+        model = self.retrieval.resolve("classification", predict.model)
+        self._bound(model, "classification", len(predict.texts), "inputs")
+        result = await self.retrieval.run(
+            "classification",
+            model,
+            predict.texts,
+            predict.pairs,
+            probe,
+            traceparent=context,
+        )
+        section = result.config.classification
+        assert section is not None  # the wire refused a version without it
+        logits = result.outputs[section.output].astype(np.float32)
+        if predict.raw_scores:
+            scores = logits
+        else:
+            # one label, or several independent ones: a sigmoid each (as transformers'
+            # pipeline), else a softmax over the labels
+            single = section.multi_label or logits.shape[1] == 1
+            scores = codec.sigmoid(logits) if single else codec.softmax(logits)
+        labels = section.labels or [f"LABEL_{i}" for i in range(logits.shape[1])]
+        if nested and not predict.batched:  # the Inference API's shape
+            predict = codec.PredictCall(**{**_fields(predict), "batched": True})
+        return codec.encode_predict(predict, scores, labels), result
+
+    async def _tei_embed_sparse(
+        self, document: dict[str, Any], probe: Probe, context: str | None, _nested: bool
+    ) -> Answered:
+        texts = codec.parse_texts(document)
+        model = self.retrieval.resolve("sparse", texts.model)
+        self._bound(model, "sparse", len(texts.texts), "inputs")
+        result = await self.retrieval.run(
+            "sparse", model, texts.texts, None, probe, traceparent=context
+        )
+        sparse = result.config.sparse
+        assert sparse is not None
+        indices = result.outputs[sparse.indices_output]
+        values = result.outputs[sparse.values_output].astype(np.float32)
+        return codec.encode_sparse(indices, values), result
+
+    async def _tei_embed(
+        self, document: dict[str, Any], probe: Probe, context: str | None, _nested: bool
+    ) -> Answered:
+        texts = codec.parse_texts(document)
+        self.limits.check_inputs("inputs", len(texts.texts))
+        vectors = await self._embed(texts.model, texts.texts, texts.dimensions, probe, context)
+        if texts.normalize:
+            vectors = _normalized(vectors)
+        return orjson.dumps(vectors, option=orjson.OPT_SERIALIZE_NUMPY), None
+
+    async def _tei_similarity(
+        self, document: dict[str, Any], probe: Probe, context: str | None, _nested: bool
+    ) -> Answered:
+        similar = codec.parse_similarity(document)
+        self.limits.check_inputs("inputs", len(similar.sentences) + 1)  # and the source
+        rows = [similar.source, *similar.sentences]
+        vectors = _normalized(await self._embed(similar.model, rows, None, probe, context))
+        cosines = vectors[1:] @ vectors[0]
+        return orjson.dumps([float(c) for c in cosines]), None
+
+    async def _tei_tokenize(
+        self, document: dict[str, Any], _probe: Probe, _context: str | None, _nested: bool
+    ) -> Answered:
+        texts = codec.parse_texts(document)
+        self.limits.check_inputs("inputs", len(texts.texts))
+        return await self._tokenize(texts), None
 
     async def rerank_scores(
         self,

@@ -1,7 +1,14 @@
-"""The pieces of the REST front end's routing table (the table itself is
+"""The pieces of the REST front end's routing tables (the top table is
 :meth:`gpuserve.server.http.app.HttpApp.routes`): a :class:`Route` row is (methods, path
 matcher, handler), and the rows are tried in order, the first match winning (Starlette's
 ``Router`` habit, without the framework).
+
+A sub-API (OpenAI's ``/v1``, its Files and Batch API, the model repository, Triton's
+extensions) has a table of its own, a :class:`Router`: its rows, its answer to a path none
+of them takes (its 404, or its 405 when a row takes the path with another method), its
+errors' shape and its auth rule. The table above mounts it with one row,
+:func:`mount` (Starlette's ``Mount(path, routes=[...])``). Rows of a sub-table name whole
+paths (``Exact("/v1/embeddings")``), not the part below the mount.
 
 A path matcher has two parts, so that a request is turned away from a row cheaply:
 
@@ -16,8 +23,10 @@ The matchers:
     Exact("/v2")                 the path itself (``trailing_slash=True``: also with "/"s
                                  after it)
     Mount("/v1")                 the path and everything below it (a sub-API)
+    Template("/v1/files/{id}")   path parameters: ``{name}`` one segment, not empty; a last
+                                 ``{name:path}`` the rest, "/"s included
     Suffix("/infer")             any path ending so (the handler parses the rest)
-    Where(predicate)             what a sub-API's own ``handles(path)`` accepts
+    Where(predicate)             what ``predicate(path)`` accepts
     ModelAction("generate", ...) ``.../{model}[/versions/{version}]/<action>``, the raw path
     ModelView("ready")           ``/v2/models/{model}[/versions/{version}][/<action>]``,
                                  "/"s after it ignored (the GET views)
@@ -25,6 +34,7 @@ The matchers:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from operator import methodcaller
 from typing import Any, NamedTuple
@@ -38,10 +48,14 @@ Params = Any
 Answer = tuple[int, bytes] | None
 Handler = Callable[[HttpRequest, str, Params], Answer]
 
-#: Methods of a row: GET (HEAD is routed as GET, its body dropped), POST, or any (None).
+#: Methods of a row: GET (HEAD is routed as GET, its body dropped), POST, DELETE, or any
+#: (None).
 GET: frozenset[str] | None = frozenset({"GET"})
 POST: frozenset[str] | None = frozenset({"POST"})
+DELETE: frozenset[str] | None = frozenset({"DELETE"})
 ANY: frozenset[str] | None = None
+#: The order :func:`methods_text` names methods in.
+METHOD_ORDER = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
 
 class HttpError(Exception):
@@ -91,6 +105,30 @@ class Mount(PathMatcher):
 
     def __repr__(self) -> str:
         return f"Mount({self.prefix!r})"
+
+
+class Template(PathMatcher):
+    """A path with parameters (Starlette's path syntax): ``{name}`` is one segment (no "/",
+    not empty), a last ``{name:path}`` the rest of the path ("/"s included, not empty). The
+    parameters are the values, in order, as a tuple of strings."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        pieces = re.split(r"\{\w+(:path)?\}", template)
+        # re.split interleaves the text between parameters with each one's ":path" group
+        pattern = re.escape(pieces[0])
+        for kind, text in zip(pieces[1::2], pieces[2::2], strict=True):
+            pattern += ("(.+)" if kind else "([^/]+)") + re.escape(text)
+        self._fullmatch = re.compile(pattern).fullmatch
+        self.quick = methodcaller("startswith", pieces[0])
+        self.match = self._params
+
+    def _params(self, path: str) -> Params:
+        found = self._fullmatch(path)
+        return None if found is None else found.groups()
+
+    def __repr__(self) -> str:
+        return f"Template({self.template!r})"
 
 
 class Suffix(PathMatcher):
@@ -181,6 +219,110 @@ def compile_routes(routes: list[Route]) -> tuple[CompiledRoute, ...]:
         for route in routes
         if route.when
     )
+
+
+#: A sub-table's answer to a path none of its rows takes: ``miss(request, method, path,
+#: allowed)``; ``allowed`` is None (no row takes the path: its 404) or the methods of the
+#: rows that take it with another method (its 405). It answers, or raises the error its
+#: sub-API's ``fail`` (or the table above) answers.
+Miss = Callable[[HttpRequest, str, str, frozenset[str] | None], Answer]
+#: A sub-API's error answer: ``fail(request, error)`` answers the request.
+Fail = Callable[[HttpRequest, BaseException], None]
+#: A sub-API's auth rule, run before its rows: ``guard(request, path)`` raises to refuse.
+Guard = Callable[[HttpRequest, str], None]
+
+
+class Router:
+    """A sub-API's routing table: its rows (tried in order, first match wins), its own "no
+    route" answer, error shape and auth rule. A :data:`Handler` itself, so the table above
+    mounts it as a row's handler (see :func:`mount`).
+
+    Unlike the top table's, a sub-table's row is chosen by its path first: a path some row
+    takes with another method is the sub-API's 405 (``miss`` gets those rows' methods). A
+    sub-table is off the inference hot path, so it may spend the extra tests.
+
+    Args:
+        routes: Builds the rows (the sub-API's ``routes`` method); read again by
+            :meth:`reload`, for a sub-API whose rows change once (a late mount).
+        miss: The answer when no row takes the path (see :data:`Miss`).
+        fail: Answers an error a row, ``guard`` or ``miss`` raised (the sub-API's error
+            shape); None: the error goes up to the table above.
+        guard: Run first, with the path the rows see (see :data:`Guard`); None: none.
+        strip: Match the path without its trailing "/"s (``/`` stays).
+    """
+
+    def __init__(
+        self,
+        routes: Callable[[], list[Route]],
+        miss: Miss,
+        *,
+        fail: Fail | None = None,
+        guard: Guard | None = None,
+        strip: bool = False,
+    ) -> None:
+        self.routes = routes
+        self.miss = miss
+        self.fail = fail
+        self.guard = guard
+        self.strip = strip
+        self._table = compile_routes(routes())
+
+    def reload(self) -> None:
+        """Build the rows again (after a change of what ``routes`` returns)."""
+        self._table = compile_routes(self.routes())
+
+    def __call__(self, request: HttpRequest, method: str, _params: Params) -> Answer:
+        """Dispatch ``request`` (``method``: HEAD as GET) to the first row that takes its
+        path and method; the row's answer, or ``miss``'s."""
+        path = request.path
+        if self.strip:
+            path = path.rstrip("/") or "/"
+        try:
+            if self.guard is not None:
+                self.guard(request, path)
+            allowed: frozenset[str] | None = None
+            for methods, quick, match, handler, _own_auth in self._table:
+                if not quick(path):
+                    continue
+                params = None
+                if match is not None:
+                    params = match(path)
+                    if params is None:
+                        continue
+                if methods is not None and method not in methods:
+                    allowed = methods if allowed is None else allowed | methods
+                    continue
+                return handler(request, method, params)
+            return self.miss(request, method, path, allowed)
+        except Exception as err:
+            if self.fail is None:
+                raise
+            self.fail(request, err)
+            return None
+
+    def __repr__(self) -> str:
+        return f"Router({getattr(self.routes, '__qualname__', self.routes)})"
+
+
+def mount(
+    path: str | PathMatcher, router: Router, *, own_auth: bool = False, when: bool = True
+) -> Route:
+    """The row that hands every method of the paths ``path`` takes (a string: the prefix
+    and everything below it, :class:`Mount`) to ``router``.
+
+    Args:
+        path: The prefix, or a path matcher.
+        router: The sub-table.
+        own_auth: The sub-API checks the bearer token itself (its ``guard`` or its rows).
+        when: Whether the row is in the table at all.
+    """
+    matcher = Mount(path) if isinstance(path, str) else path
+    return Route(ANY, matcher, router, own_auth, when)
+
+
+def methods_text(methods: frozenset[str]) -> str:
+    """``methods`` for a 405's message: ``"GET or POST"``."""
+    return " or ".join(method for method in METHOD_ORDER if method in methods)
 
 
 def no_route(method: str, path: str) -> HttpError:
