@@ -10,8 +10,9 @@ and ``version``, summed over the version's engines (one per instance):
   ``gpuserve_generation_requests_finished_total`` (label ``reason``),
   ``gpuserve_generation_steps_total``;
 * gauges ``gpuserve_generation_running``, ``gpuserve_generation_waiting``,
-  ``gpuserve_generation_kv_cache_usage`` (0..1: blocks held over blocks, across the engines)
-  and ``gpuserve_generation_kv_cache_blocks``;
+  ``gpuserve_generation_kv_cache_usage`` (0..1: blocks held over blocks, across the engines),
+  ``gpuserve_generation_kv_cache_blocks`` and ``gpuserve_generation_kv_cache_empty_slots``
+  (token slots in held blocks that hold no token);
 * histograms ``gpuserve_generation_time_to_first_token_seconds``,
   ``gpuserve_generation_inter_token_latency_seconds``,
   ``gpuserve_generation_e2e_latency_seconds``, ``gpuserve_generation_prompt_length_tokens``
@@ -206,6 +207,7 @@ class GenerationCollector(Collector):
             GaugeMetricFamily("gpuserve_generation_waiting", "", labels=_MV),
             GaugeMetricFamily("gpuserve_generation_kv_cache_usage", "", labels=_MV),
             GaugeMetricFamily("gpuserve_generation_kv_cache_blocks", "", labels=_MV),
+            GaugeMetricFamily("gpuserve_generation_kv_cache_empty_slots", "", labels=_MV),
             *(HistogramMetricFamily(spec.name, "", labels=_MV) for spec in _HISTOGRAMS),
             GaugeMetricFamily("vllm:num_requests_running", "", labels=_MODEL_NAME),
             GaugeMetricFamily("vllm:num_requests_waiting", "", labels=_MODEL_NAME),
@@ -260,6 +262,12 @@ class GenerationCollector(Collector):
             "Generative models: blocks of the KV cache.",
             labels=_MV,
         )
+        kv_empty = GaugeMetricFamily(
+            "gpuserve_generation_kv_cache_empty_slots",
+            "Generative models: token slots in KV cache blocks held by sequences that hold no "
+            "token.",
+            labels=_MV,
+        )
         histograms = [
             HistogramMetricFamily(spec.name, spec.documentation, labels=_MV) for spec in _HISTOGRAMS
         ]
@@ -281,6 +289,7 @@ class GenerationCollector(Collector):
             waiting.add_metric(labels, sum(s.waiting for s in engines))
             kv_usage.add_metric(labels, _kv_usage(engines))
             kv_blocks.add_metric(labels, sum(s.kv_blocks for s in engines))
+            kv_empty.add_metric(labels, sum(s.kv_empty_slots for s in engines))
             kept = self._versions.get(labels)
             if kept is None or kept.runner() is not runner:  # new, or reloaded: from 0
                 kept = self._versions[labels] = _Version(runner)
@@ -299,6 +308,7 @@ class GenerationCollector(Collector):
             waiting,
             kv_usage,
             kv_blocks,
+            kv_empty,
             *histograms,
             *_vllm_families(per_model),
         ]

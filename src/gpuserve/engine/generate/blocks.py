@@ -86,6 +86,7 @@ class BlockManager:
         # are put at the front, cached ones at the back (least recently freed first).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # chain hash -> block id
+        self._holders: dict[int, Sequence] = {}  # seq id -> a sequence holding blocks
 
     # -- read-only state ------------------------------------------------------------------
 
@@ -108,6 +109,14 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by sequences (ref count > 0), 0..1."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def empty_slots(self) -> int:
+        """Token slots in held blocks that hold no computed token: each holding sequence's
+        block table past its ``num_computed`` tokens. Only full blocks are shared, so every
+        empty slot is one sequence's own and none is counted twice. O(sequences holding)."""
+        size = self.block_size
+        return sum(len(s.block_table) * size - s.num_computed for s in self._holders.values())
 
     def ref_count(self, block_id: int) -> int:
         """How many sequences hold block ``block_id``."""
@@ -210,6 +219,7 @@ class BlockManager:
         seq.block_table.extend(self._take() for _ in range(fresh))
         seq.num_computed = match.num_tokens
         seq.num_cached_prompt = match.num_tokens
+        self._holders[seq.seq_id] = seq
         self.prefix_queries_tokens += match.num_queried
         self.prefix_hit_tokens += match.num_tokens
         return True
@@ -241,6 +251,7 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.block_hashes = []
+        self._holders.pop(seq.seq_id, None)
 
     def _take(self) -> int:
         """Hand out the first free block, evicting the content it cached."""

@@ -359,6 +359,7 @@ class GenerationEngine:
         stats.running = scheduler.num_running
         stats.waiting = scheduler.num_waiting
         stats.kv_usage = self.blocks.usage
+        stats.kv_empty_slots = self.blocks.empty_slots
         stats.preemptions = scheduler.num_preemptions
         stats.prefix_query_tokens = self.blocks.prefix_queries_tokens
         stats.prefix_hit_tokens = self.blocks.prefix_hit_tokens

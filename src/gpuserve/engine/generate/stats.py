@@ -30,6 +30,7 @@ class GenerationStats:
         kv_usage: Fraction of KV cache blocks held by sequences, 0..1.
         kv_blocks: Blocks of the KV cache.
         block_size: Tokens per block.
+        kv_empty_slots: Token slots in held blocks that hold no computed token.
         ttft_s: Time-to-first-token samples since the last drain, seconds.
         itl_s: Inter-token latency samples since the last drain, seconds.
         e2e_s: End-to-end latency samples of finished sequences since the last drain, s.
@@ -50,6 +51,7 @@ class GenerationStats:
     kv_usage: float = 0.0
     kv_blocks: int = 0
     block_size: int = 0
+    kv_empty_slots: int = 0
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
