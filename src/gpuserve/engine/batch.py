@@ -113,7 +113,7 @@ class BatchResult:
         prepared: What the backend's ``preprocess`` returned, until ``forward`` took it.
         raw: What the backend's ``forward`` returned, until ``postprocess`` took it.
         rows: The batch's row contexts (one per row, built on first use), set when its
-            stages start.
+            stages start (None before).
     """
 
     batch: Batch
@@ -127,4 +127,4 @@ class BatchResult:
     postprocess_s: float = 0.0
     prepared: object = None
     raw: object = None
-    rows: Sequence[RowContext] = ()
+    rows: Sequence[RowContext] | None = None

@@ -353,7 +353,8 @@ class Instance:
         self._trace.begin("forward", job)
         # a call made from forward inherits from the batch's rows: how long they are
         # awaited, and the trace it nests under
-        call_scope.enter_batch(job.rows or BatchRows(job.batch.items))
+        rows = job.rows  # (never tested for truth: that would build the contexts)
+        call_scope.enter_batch(rows if rows is not None else BatchRows(job.batch.items))
         if self._streams:
             self._stream(job)
         else:
