@@ -234,3 +234,53 @@ def test_a_stop_token_id_ends_the_sequence_with_stop_and_is_left_out(
     assert sink.deltas[-1].completion_tokens == cut + 1
     text = "".join(d.text for d in sink.deltas)
     assert text == tokenizer.decode(expected[:cut], skip_special_tokens=True)
+
+
+def test_long_prompts_are_cut_so_decodes_keep_their_pace(folder: Path) -> None:
+    """With ``decode_slowdown`` 2, once the engine has timed decode-only steps and a prefill
+    (a clock the model advances by 10 ms a step plus 1 ms a token), every step carrying a
+    prompt chunk while sequences decode carries at most (2 - 1) x decode step / token cost
+    prompt tokens (about 12), and the long prompt still completes."""
+    model = _model(folder, 512)
+    now = [0.0]
+    steps: list[tuple[int, int]] = []  # (decodes, prompt tokens) of each step
+    forward = model.loaded.model.forward
+
+    def timed(batch: Any) -> Any:
+        decodes = 0 if batch.decode is None else int(batch.decode.rows.shape[0])
+        steps.append((decodes, batch.num_tokens - decodes))
+        now[0] += 0.010 + 0.001 * batch.num_tokens
+        return forward(batch)
+
+    model.loaded.model.forward = timed  # type: ignore[method-assign]
+    engine = GenerationEngine(
+        model,
+        8,
+        256,
+        False,
+        lambda deltas: [s.deliver(d) for s, d in deltas],
+        clock=lambda: now[0],
+        decode_slowdown=2.0,
+    )
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    try:
+        params = SamplingParams(max_tokens=120, ignore_eos=True)
+        short = [_Collect(), _Collect()]
+        for prompt, sink in zip(([5, 6, 7], [8, 9, 10, 11]), short, strict=True):
+            engine.submit(GenerationRequest("s", prompt, params), sink)
+        while sum(len(s.deltas) for s in short) < 20:  # decoding, decode steps timed
+            threading.Event().wait(0.005)
+        first = len(steps)
+        engine.submit(GenerationRequest("l", list(range(3, 203)), params), long := _Collect())
+        engine.submit(GenerationRequest("l2", list(range(3, 203)), params), late := _Collect())
+        assert all(s.done.wait(60) for s in (*short, long, late))
+    finally:
+        engine.stop()
+        thread.join(30)
+    mixed = [prompt for decodes, prompt in steps[first:] if decodes and prompt]
+    assert mixed, "the prompts were prefilled while the short sequences decoded"
+    cap = engine.step_cost.prefill_cap(2.0, BLOCK)
+    assert cap is not None and cap <= 16
+    assert max(mixed[1:]) <= 16  # the first may precede the per-token cost being learnt
+    assert long.deltas[-1].completion_tokens == 120 and late.deltas[-1].completion_tokens == 120

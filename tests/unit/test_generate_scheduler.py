@@ -334,3 +334,26 @@ def test_random_workload_runs_to_completion(seed: int):
     assert s.blocks.num_free == s.blocks.num_blocks and s.blocks.usage == 0.0
     assert s.num_preemptions > 0  # the cache was small enough to exercise preemption
     assert s.blocks.prefix_hit_tokens > 0  # and the shared prefixes were found
+
+
+def test_a_prefill_cap_holds_prompt_chunks_while_sequences_decode():
+    s, _ = scheduler(budget=64)
+    s.add(make(1, 3, max_tokens=50))
+    step(s)  # seq 1's prompt: it decodes from now on
+    s.add(make(2, 40, max_tokens=2))
+    s.add(make(3, 40, max_tokens=2))
+    plan = s.schedule(prefill_cap=10)
+    assert chunk_of(plan, 1) is not None and len(chunk_of(plan, 1)) == 1  # its decode
+    assert len(chunk_of(plan, 2)) == 10 and chunk_of(plan, 3) is None  # 10 prompt tokens in all
+    run(s, plan)
+    plan = s.schedule(prefill_cap=10)  # seq 2 goes on; seq 3 is admitted with what is left
+    assert len(chunk_of(plan, 2)) == 10 and chunk_of(plan, 3) is None
+    run(s, plan)
+    assert s.schedule(prefill_cap=None).num_tokens == 1 + 20 + 40  # no cap: the budget rules
+
+
+def test_without_decodes_a_prefill_cap_does_not_apply():
+    s, _ = scheduler(budget=64)
+    s.add(make(1, 40, max_tokens=2))
+    plan = s.schedule(prefill_cap=10)
+    assert len(chunk_of(plan, 1)) == 40  # nothing decodes: nobody to hold back

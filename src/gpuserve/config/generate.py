@@ -54,6 +54,11 @@ class GenerateConfig(Strict):
         max_tokens_per_step: Token budget of one engine step (decodes first, then prefill
             chunks): a long prompt is prefilled in chunks of at most this size, so running
             sequences keep getting their next tokens.
+        decode_slowdown_limit: While sequences are decoding, prompt chunks are cut so that a
+            step takes at most this many times a step of decodes alone (learnt from the
+            steps run): prompts arriving never stall the running streams' next tokens by more
+            than this factor (at the cost of their own time to first token). None: every
+            step may fill ``max_tokens_per_step`` with prompt chunks.
         max_waiting: Most sequences waiting for a slot; more are refused with 429.
         prefix_caching: Reuse the KV blocks of prompt prefixes already computed (a shared
             system prompt is computed once).
@@ -78,6 +83,7 @@ class GenerateConfig(Strict):
     block_size: int = Field(default=16, ge=1, le=1024)
     max_running: int = Field(default=64, ge=1, le=4096)
     max_tokens_per_step: int = Field(default=512, ge=1, le=1_048_576)
+    decode_slowdown_limit: float | None = Field(default=2.0, ge=1.1, le=1000.0)
     max_waiting: int = Field(default=1024, ge=1, le=1_000_000)
     prefix_caching: bool = True
     max_n: int = Field(default=16, ge=1, le=256)

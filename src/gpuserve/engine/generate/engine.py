@@ -41,6 +41,7 @@ from gpuserve.engine.generate.messages import (
 from gpuserve.engine.generate.scheduler import GenerationScheduler, StepPlan
 from gpuserve.engine.generate.sequence import FinishReason, Sequence
 from gpuserve.engine.generate.stats import GenerationStats
+from gpuserve.engine.generate.step_cost import StepCost
 from gpuserve.errors import BackendError, GpuserveError
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ class GenerationEngine:
         prefix_caching: Share the KV blocks of equal prompt prefixes.
         publish: Hands each step's deltas to the event loop.
         clock: Monotonic clock, seconds.
+        decode_slowdown: While sequences decode, prompt chunks are cut so that a step takes
+            at most this many times a decode-only step (learnt from the steps run,
+            :mod:`~gpuserve.engine.generate.step_cost`); None: the whole token budget.
     """
 
     def __init__(
@@ -112,12 +116,17 @@ class GenerationEngine:
         prefix_caching: bool,
         publish: Publish,
         clock: Callable[[], float] = time.monotonic,
+        decode_slowdown: float | None = None,
     ) -> None:
         self.model = model
         self.clock = clock
         self.publish = publish
         self.blocks = BlockManager(model.num_blocks, model.block_size, prefix_caching)
         self.scheduler = GenerationScheduler(self.blocks, max_running, max_tokens_per_step, clock)
+        #: Steps carrying prompt chunks while sequences decode take at most this many times a
+        #: decode-only step (None: the whole token budget; see step_cost.py).
+        self.decode_slowdown = decode_slowdown
+        self.step_cost = StepCost()
         self.sampler = Sampler(eos_token_ids=model.eos_token_ids)
         self.stats = GenerationStats(kv_blocks=model.num_blocks, block_size=model.block_size)
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -148,7 +157,10 @@ class GenerationEngine:
             idle = not self._active
             if not self._take_commands(block=idle):
                 break
-            plan = self.scheduler.schedule()
+            cap = None
+            if self.decode_slowdown is not None:
+                cap = self.step_cost.prefill_cap(self.decode_slowdown, self.model.block_size)
+            plan = self.scheduler.schedule(cap)
             if plan is None:
                 continue
             out: list[tuple[DeltaSink, GenerationDelta]] = []
@@ -220,6 +232,7 @@ class GenerationEngine:
         chunks = plan.chunks
         inputs = [ChunkInput(c.token_ids, c.start, c.seq.block_table, c.samples) for c in chunks]
         sampling = [c for c in chunks if c.samples]
+        started = self.clock()
         try:
             batch = StepBatch.build(inputs, self.model.block_size, self.model.device)
             logits = self.model.forward(batch)
@@ -248,6 +261,8 @@ class GenerationEngine:
         self.stats.steps += 1
         self.stats.step_tokens += plan.num_tokens
         now = self.clock()
+        decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
+        self.step_cost.observe(decodes, plan.num_tokens - decodes, now - started)
         for chunk, token in zip(sampling, sampled, strict=True):
             owner = self._active.get(chunk.seq.seq_id)
             if owner is not None:

@@ -14,6 +14,10 @@ Policy of :meth:`GenerationScheduler.schedule` (vLLM v1 style, no separate prefi
 * **Running first, oldest first**: every RUNNING sequence gets its next chunk within the token
   budget ``max_tokens_per_step``: one token when it is decoding, else the next piece of its
   prompt (chunked prefill). Decodes therefore keep flowing while a long prompt is prefilled.
+  While any sequence decodes, prompt chunks (running and admitted together) take at most
+  ``prefill_cap`` tokens of the step, when the engine sets one
+  (:mod:`~gpuserve.engine.generate.step_cost`: a step then takes a bounded multiple of a
+  decode-only step, so long prompts arriving never stall the running streams).
 * **Then admission**, FIFO: WAITING sequences start (up to ``max_running``) with a first chunk
   of the budget left; a prompt's cached prefix (:mod:`~gpuserve.engine.generate.blocks`) is
   not recomputed. A sequence that finds no blocks waits, and so do those behind it.
@@ -264,8 +268,12 @@ class GenerationScheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
+    def schedule(self, prefill_cap: int | None = None) -> StepPlan | None:
         """Plan the next model step (see the module docstring for the policy).
+
+        Args:
+            prefill_cap: Most prompt tokens the step may carry while a sequence decodes
+                (None: the whole budget).
 
         Returns:
             The plan, or None when there is nothing to compute and nothing to report.
@@ -274,12 +282,18 @@ class GenerationScheduler:
         self._aborted = []
         self._drop_cancelled_and_expired(plan)
         budget = self.max_tokens_per_step
+        prefill = budget
+        if prefill_cap is not None and any(s.num_uncomputed == 1 for s in self._running):
+            prefill = min(budget, prefill_cap)
 
         index = 0
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
             n = min(seq.num_uncomputed, budget)
-            if n == 0:  # the engine neither sampled nor finished it: nothing to compute
+            prompt = n > 1
+            if prompt:
+                n = min(n, prefill)
+            if n == 0:  # the engine neither sampled nor finished it (or no prefill is left)
                 index += 1
                 continue
             while not self.blocks.append_slots(seq, n):
@@ -290,6 +304,8 @@ class GenerationScheduler:
             else:
                 plan.chunks.append(self._chunk(seq, n))
                 budget -= n
+                if prompt:
+                    prefill -= n
                 index += 1
 
         if (  # an interactive sequence waits and bulk ones hold every slot: one makes room
@@ -312,12 +328,12 @@ class GenerationScheduler:
         while (
             self._waiting
             and len(self._running) < self.max_running
-            and budget > 0
+            and min(budget, prefill) > 0
             and not plan.preempted
         ):
             seq = self._waiting[0]
             match = self.blocks.match_prefix(seq.all_ids)
-            n = min(seq.num_tokens - match.num_tokens, budget)
+            n = min(seq.num_tokens - match.num_tokens, budget, prefill)
             if not self.blocks.allocate(seq, match, n):
                 break
             self._waiting.popleft()
@@ -325,6 +341,7 @@ class GenerationScheduler:
             bisect.insort(self._running, seq, key=_age)
             plan.chunks.append(self._chunk(seq, n))
             budget -= n
+            prefill -= n
 
         plan.num_tokens = self.max_tokens_per_step - budget
         if not (plan.chunks or plan.expired or plan.aborted or plan.preempted):

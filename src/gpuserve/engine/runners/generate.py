@@ -121,6 +121,7 @@ class GenerateRunner(VersionRunner):
                 settings.prefix_caching,
                 self._publish,
                 self.clock,
+                settings.decode_slowdown_limit,
             )
             self._engines.append(engine)
             self._load.append(0)
