@@ -11,6 +11,8 @@ newest sequence is preempted and recomputed later (never an out-of-memory error)
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from gpuserve.config.base import Strict
@@ -63,6 +65,13 @@ class GenerateConfig(Strict):
         sampling: Defaults for sampling values a request leaves out.
         chat_template: A Jinja chat template replacing the model's own (the tokenizer's, or
             the GGUF file's ``tokenizer.chat_template``).
+        weight_format: Weight-only quantisation of the linear layers and the output
+            projection: ``int8`` (one scale per output channel) or ``int4`` (groups of 32
+            input channels, a scale and an offset each, as llama.cpp's Q4_1); activations and
+            the KV cache stay in ``precision``, which must then be ``bf16`` on a CPU (the
+            int8/int4 kernels take bf16 activations). None: weights in ``precision``.
+            Checked against fp32 at load by ``precision_check`` (token agreement and
+            perplexity).
     """
 
     context_length: int | None = Field(default=None, ge=16, le=1_048_576)
@@ -78,6 +87,7 @@ class GenerateConfig(Strict):
     max_top_logprobs: int = Field(default=20, ge=0, le=100)
     sampling: SamplingDefaults = Field(default_factory=SamplingDefaults)
     chat_template: str | None = None
+    weight_format: Literal["int8", "int4"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateConfig:
