@@ -76,5 +76,6 @@ class PrecisionCheckConfig(Strict):
     reference_file: str | None = Field(
         default=None,
         description="Reference set relative to the version folder: texts one a line (text "
-        "model) or an .npz of input arrays (backend onnx); None: the built-in sample.",
+        "model, generative models) or an .npz of input arrays (backend onnx); None: the "
+        "built-in sample.",
     )

@@ -179,15 +179,20 @@ class CausalLM:
         for index, layer in enumerate(weights.layers):
             x = self._norm(hidden, layer.attn_norm)
             qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
-            q = qkv[:, :q_width].view(tokens, heads, head_dim)
-            k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, head_dim)
             v = qkv[:, q_width + kv_width :].view(tokens, kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = self._rms(q, layer.q_norm)
+                q = self._rms(qkv[:, :q_width].view(tokens, heads, head_dim), layer.q_norm)
+                k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, head_dim)
                 k = self._rms(k, layer.k_norm)
-            if rotation is not None:
-                q = _rotate(q, *rotation)
-                k = _rotate(k, *rotation)
+                if rotation is not None:
+                    q, k = _rotate(q, *rotation), _rotate(k, *rotation)
+            else:
+                # q and k side by side: one rotation of [T, heads + kv_heads, head_dim]
+                # (half the small ops of a decode step's RoPE)
+                qk = qkv[:, : q_width + kv_width].view(tokens, heads + kv_heads, head_dim)
+                if rotation is not None:
+                    qk = _rotate(qk, *rotation)
+                q, k = qk[:, :heads], qk[:, heads:]
             key_cache, value_cache = cache.keys[index], cache.values[index]
             write_kv(key_cache, value_cache, k, v, batch.slot_mapping)
             attended = attention(q, k, v, key_cache, value_cache, batch)
