@@ -8,6 +8,8 @@ Servers (``--servers``, comma-separated, measured in rounds so ratios come from 
   fed the same requests at the same concurrency (no HTTP, no event loop hop);
 * ``gpuserve``: ``gpuserve serve`` on a repository holding only ``chat`` (the embedded
   SmolLM2-135M-Instruct GGUF, or ``--model-dir``), pinned to the server's cores;
+* ``NAME@PRECISION+FORMAT`` (``gpuserve@bf16+int4``, ``inprocess@bf16+int8``): that server
+  at its own ``precision`` and ``generate.weight_format``, so formats share a run;
 * ``llamacpp`` and ``transformers``: llama.cpp's server (llama-cpp-python) on the GGUF and
   ``transformers serve --continuous-batching`` on the same weights, started by
   ``benchmarks/generate_peers.py`` (set up with ``benchmarks/peers/setup_generate.sh``; a
@@ -127,14 +129,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def chat_config(model: Path, precision: str, max_running: int) -> str:
+def split_format(
+    name: str, precision: str, weight_format: str | None
+) -> tuple[str, str, str | None]:
+    """``gpuserve@bf16+int4`` -> (``gpuserve``, ``bf16``, ``int4``); without ``@`` the
+    ``--precision`` and ``--weight-format`` given."""
+    server, _, fmt = name.partition("@")
+    if not fmt:
+        return server, precision, weight_format
+    dtype, _, weights = fmt.partition("+")
+    return server, dtype, weights or None
+
+
+def chat_config(
+    model: Path, precision: str, max_running: int, weight_format: str | None = None
+) -> str:
+    weights = f", weight_format: {weight_format}" if weight_format else ""
     return (
         "backend: huggingface\n"
         f"huggingface: {{task: text-generation, model_dir: '{model}'}}\n"
         "instance_group: [{count: 1, kind: cpu}]\n"
         f"precision: {precision}\n"
         "generate: {context_length: 4096, kv_cache_bytes: 1073741824, "
-        f"max_running: {max_running}, max_tokens_per_step: 512}}\n"
+        f"max_running: {max_running}, max_tokens_per_step: 512{weights}}}\n"
     )
 
 
@@ -182,13 +199,15 @@ def serve(root: Path, cores: str | None, *extra: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def gpuserve_server(
-    model: Path, precision: str, cores: str | None, max_running: int
+    model: Path, precision: str, cores: str | None, max_running: int, weight_format: str | None
 ) -> Iterator[str]:
     """gpuserve serving ``model`` as ``chat``; yields its ``/v1`` URL."""
     root = Path(tempfile.mkdtemp(prefix="gen-bench-"))
     (root / "chat" / "1").mkdir(parents=True)
     (root / "chat" / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
-    (root / "chat" / "config.yaml").write_text(chat_config(model, precision, max_running))
+    (root / "chat" / "config.yaml").write_text(
+        chat_config(model, precision, max_running, weight_format)
+    )
     with serve(root, cores) as url:
         yield f"{url}/v1"
 
@@ -196,14 +215,16 @@ def gpuserve_server(
 class InProcess:
     """The engine's own step loop on the same requests (the serving layer's limit)."""
 
-    def __init__(self, model: Path, precision: str, max_running: int) -> None:
+    def __init__(
+        self, model: Path, precision: str, max_running: int, weight_format: str | None = None
+    ) -> None:
         import torch
 
         from gpuserve.backends.causal_lm import load_causal_lm
         from gpuserve.backends.causal_lm.backend import GenerationModel
 
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-        loaded = load_causal_lm(model, dtype)
+        loaded = load_causal_lm(model, dtype, weight_format=weight_format)
         per_block = loaded.model.cache_bytes_per_block(16)
         blocks = (1 << 30) // per_block
         loaded.model.allocate_cache(blocks, 16)
@@ -452,6 +473,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", default="20,2000")
     parser.add_argument("--max-tokens", default="32,256")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument(
+        "--weight-format",
+        default=None,
+        choices=("int8", "int4"),
+        help="generate.weight_format of gpuserve and inprocess (needs --precision bf16); a "
+        "server named NAME@PRECISION+FORMAT (gpuserve@bf16+int4) sets its own",
+    )
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--model-dir", type=Path, default=None, help="GGUF file or HF folder")
     parser.add_argument("--server-cores", default=None, help="taskset list for the servers, e.g. 1")
@@ -475,8 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     lengths = tuple(int(x) for x in args.prompt_tokens.split(","))
     outputs = tuple(int(x) for x in args.max_tokens.split(","))
     log(f"loading {model.name} for the tokenizer and the in-process engine")
-    inproc = InProcess(model, args.precision, args.max_running)
-    tokenizer = inproc.tokenizer
+    inprocs: dict[tuple[str, str | None], InProcess] = {}
+
+    def inprocess(precision: str, weight_format: str | None) -> InProcess:
+        key = (precision, weight_format)
+        if key not in inprocs:
+            inprocs[key] = InProcess(model, precision, args.max_running, weight_format)
+        return inprocs[key]
+
+    tokenizer = inprocess(args.precision, args.weight_format).tokenizer
     if args.server_cores:
         os.sched_setaffinity(
             0,
@@ -490,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "model": model.name,
         "precision": args.precision,
+        "weight_format": args.weight_format,
         "workload": f"prompts {lengths[0]}-{lengths[1]} tokens (log-uniform, stdlib prose), "
         f"max_tokens {outputs[0]}-{outputs[1]}, greedy, EOS ignored",
         "load": {},
@@ -500,12 +536,17 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for server in servers:
             log(f"round {round_ + 1}: {server}")
+            kind, precision, weight_format = split_format(
+                server, args.precision, args.weight_format
+            )
             with contextlib.ExitStack() as stack:
                 url = model_id = None
                 forced: Forced | None = ignore_eos
-                if server == "gpuserve":
+                if kind == "gpuserve":
                     url = stack.enter_context(
-                        gpuserve_server(model, args.precision, args.server_cores, args.max_running)
+                        gpuserve_server(
+                            model, precision, args.server_cores, args.max_running, weight_format
+                        )
                     )
                     model_id = "chat"
                 elif server in ("llamacpp", "transformers"):
@@ -525,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                     count = args.requests or max(8, 2 * c)
                     jobs = build_jobs(tokenizer, count, args.seed + c, lengths, outputs)  # type: ignore[arg-type]
                     if "load" in scenarios:
-                        if server == "inprocess":
+                        if kind == "inprocess":
+                            inproc = inprocess(precision, weight_format)
                             level = inproc_level(inproc, jobs, c, args.server_cores)
                         else:
                             level = asyncio.run(closed_loop(url, model_id, jobs, c, forced))  # type: ignore[arg-type]
@@ -534,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"TTFT p99 {level.ttft_p99_ms} ms, ITL p99 {level.itl_p99_ms} ms"
                         )
                         load.setdefault(server, []).append(asdict(level))
-                if server != "inprocess" and url is not None:
+                if kind != "inprocess" and url is not None:
                     if args.open_loop and "load" in scenarios and load.get(server):
                         capacity = max(
                             lv["finished"] / lv["wall_s"] for lv in load[server] if lv["wall_s"]

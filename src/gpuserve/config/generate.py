@@ -11,6 +11,8 @@ newest sequence is preempted and recomputed later (never an out-of-memory error)
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from gpuserve.config.base import Strict
@@ -75,6 +77,13 @@ class GenerateConfig(Strict):
         cuda_graph_max_batch: The largest decode batch recorded (buckets 1, 2, 4, 8, then
             multiples of 8 up to it); larger decode steps run eagerly. None: ``max_running``,
             at most 256.
+        weight_format: Weight-only quantisation of the linear layers and the output
+            projection: ``int8`` (one scale per output channel) or ``int4`` (groups of 32
+            input channels, a scale and an offset each, as llama.cpp's Q4_1); activations and
+            the KV cache stay in ``precision``, which must then be ``bf16`` on a CPU (the
+            int8/int4 kernels take bf16 activations). None: weights in ``precision``.
+            Checked against fp32 at load by ``precision_check`` (token agreement and
+            perplexity).
     """
 
     context_length: int | None = Field(default=None, ge=16, le=1_048_576)
@@ -93,6 +102,7 @@ class GenerateConfig(Strict):
     chat_template: str | None = None
     cuda_graphs: bool = True
     cuda_graph_max_batch: int | None = Field(default=None, ge=1, le=4096)
+    weight_format: Literal["int8", "int4"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateConfig:

@@ -3,8 +3,9 @@
 A version whose ``precision`` is not ``fp32`` runs a reference set at its precision and at
 fp32; past any bound below, the version fails to load, with an error naming the measured
 value and the bound (see ``docs/precision.md``). Gated: the built-in text embedding model
-(every precision, CPU and GPU) and ``backend: onnx`` at ``int8``; other models ignore the
-section.
+(every precision, CPU and GPU), ``backend: onnx`` at ``int8`` and generative models at a
+``precision`` other than fp32 or with a ``generate.weight_format`` (token agreement and
+perplexity); other models ignore the section.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ class PrecisionCheckConfig(Strict):
         min_neighbour_recall: Smallest accepted mean recall@k of each text's k nearest
             neighbours within the set (cosine), at the precision against fp32.
         neighbours: The k of ``min_neighbour_recall``; capped at the set's size minus one.
-        reference_file: In the version folder: for the text model a text file, one
+        min_token_agreement: Generative models: smallest accepted share of next-token
+            predictions (teacher-forced, over the reference texts) whose greedy choice is
+            fp32's.
+        max_perplexity_ratio: Generative models: largest accepted perplexity on the
+            reference texts, as a multiple of fp32's.
+        reference_file: In the version folder: for the text model and generative models a
+            text file, one
             reference text a line; for ``backend: onnx`` an ``.npz`` file with one array per
             input (first axis: rows). None: the built-in sample of English sentences (text
             model) or 64 seeded random rows (onnx models with floating-point inputs).
@@ -55,8 +62,20 @@ class PrecisionCheckConfig(Strict):
     neighbours: int = Field(
         default=10, ge=1, le=1000, description="k of the neighbour recall (nearest neighbours)."
     )
+    min_token_agreement: float = Field(
+        default=0.9,
+        ge=0.0,
+        le=1.0,
+        description="Generative models: smallest share of greedy next tokens equal to fp32's.",
+    )
+    max_perplexity_ratio: float = Field(
+        default=1.05,
+        ge=1.0,
+        description="Generative models: largest perplexity on the reference texts over fp32's.",
+    )
     reference_file: str | None = Field(
         default=None,
         description="Reference set relative to the version folder: texts one a line (text "
-        "model) or an .npz of input arrays (backend onnx); None: the built-in sample.",
+        "model, generative models) or an .npz of input arrays (backend onnx); None: the "
+        "built-in sample.",
     )

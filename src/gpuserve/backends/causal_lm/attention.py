@@ -139,9 +139,13 @@ class SdpaAttention:
         decode = batch.decode
         assert decode is not None
         n, head_dim = query.shape[0], query.shape[-1]
-        # [N, max_blocks, block, kv, d] -> [N, kv, max_keys, d]
-        k = key_cache[decode.block_tables].flatten(1, 2).transpose(1, 2)
-        v = value_cache[decode.block_tables].flatten(1, 2).transpose(1, 2)
+        # [N, max_blocks, block, kv, d] -> [N, kv, max_keys, d]; index_select over the
+        # flattened tables: 2-3x faster on a CPU than advanced indexing with the 2-D table
+        tables = decode.block_tables
+        shape = (n, tables.shape[1] * key_cache.shape[1], *key_cache.shape[2:])
+        flat = tables.reshape(-1)
+        k = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        v = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
         # the query heads sharing a kv head go on the query axis: [N, kv, group, d]
         q = query.view(n, self.num_kv_heads, self.group, head_dim)
         attended = F.scaled_dot_product_attention(
@@ -152,7 +156,7 @@ class SdpaAttention:
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, kv_heads, head_dim]``: a sequence's first ``length`` cached keys/values."""
-    return cache[blocks].flatten(0, 1)[:length]
+    return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
 class FlashAttention:

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from gpuserve.backends.base import Backend, Capabilities, LoadContext
+from gpuserve.backends.causal_lm.accuracy import GenerationAccuracy
+from gpuserve.backends.causal_lm.gate import check_generation
 from gpuserve.backends.causal_lm.graphs import DEFAULT_MAX_BATCH, DecodeGraphs
 from gpuserve.backends.causal_lm.loader import LoadedCausalLM, load_causal_lm
 from gpuserve.backends.causal_lm.model import CausalLM
@@ -136,6 +138,8 @@ class CausalLMBackend(Backend):
 
     def __init__(self) -> None:
         self.generation: GenerationModel | None = None
+        #: The load-time accuracy measurement (None: fp32 weights, or the gate is off).
+        self.accuracy: GenerationAccuracy | None = None
 
     @classmethod
     def complete_config(
@@ -179,10 +183,29 @@ class CausalLMBackend(Backend):
         if dtype is None:
             raise ConfigError(
                 f"model '{config.name}': precision {config.precision!r} is not supported for "
-                f"generative models (expected one of {sorted(_DTYPES)})"
+                f"generative models (expected one of {sorted(_DTYPES)}; for int8 or int4 "
+                "weights use precision bf16 with generate.weight_format)"
+            )
+        weight_format = settings.weight_format
+        if weight_format and context.device.startswith("cpu") and dtype != torch.bfloat16:
+            raise ConfigError(
+                f"model '{config.name}': generate.weight_format {weight_format} on a CPU needs "
+                f"precision bf16 (its kernels take bf16 activations), got precision "
+                f"{config.precision}"
             )
         source = model_source(config, context.version_path)
-        loaded = load_causal_lm(source, dtype, context.device)
+        loaded = load_causal_lm(source, dtype, context.device, weight_format=weight_format)
+        self.accuracy = None
+        if config.precision != "fp32" or weight_format:
+            label = config.precision + (f"+{weight_format}" if weight_format else "")
+            self.accuracy = check_generation(
+                loaded,
+                source,
+                label,
+                config.precision_check,
+                context.version_path,
+                context.device,
+            )
         model_length = loaded.context_length
         context_length = settings.context_length or min(model_length, settings.max_context_length)
         if context_length > model_length:

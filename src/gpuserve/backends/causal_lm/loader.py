@@ -12,10 +12,18 @@ from typing import Any
 
 import torch
 
-from gpuserve.backends.causal_lm.architectures import spec_from_config, token_ids
+from gpuserve.backends.causal_lm.architectures import ModelSpec, spec_from_config, token_ids
 from gpuserve.backends.causal_lm.gguf_file import open_gguf
 from gpuserve.backends.causal_lm.model import CausalLM
-from gpuserve.backends.causal_lm.weights import build_weights, folder_source, read_config
+from gpuserve.backends.causal_lm.quantize import WEIGHT_FORMATS
+from gpuserve.backends.causal_lm.weights import (
+    ModelWeights,
+    TensorSource,
+    build_weights,
+    folder_source,
+    quantize_weights,
+    read_config,
+)
 from gpuserve.backends.optional import library_lock, require
 from gpuserve.errors import ConfigError
 
@@ -53,6 +61,7 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     load_tokenizer: bool = True,
+    weight_format: str | None = None,
 ) -> LoadedCausalLM:
     """Load a causal LM for serving.
 
@@ -63,27 +72,35 @@ def load_causal_lm(
         device: Where the model runs (``cpu``, ``cuda``, ``cuda:1``).
         load_tokenizer: Load the tokenizer with ``transformers`` (``AutoTokenizer``); False
             leaves ``tokenizer`` None (tests, or a caller with its own tokenizer).
+        weight_format: ``int8`` or ``int4``: the weight matrices quantised from float32
+            (:mod:`gpuserve.backends.causal_lm.quantize`); None keeps them in ``dtype``.
 
     Raises:
         ConfigError: the path is neither, the architecture or one of its settings is not
-            supported, a weight is missing, or the dtype is not one of :data:`DTYPES`.
+            supported, a weight is missing, the dtype is not one of :data:`DTYPES`, or the
+            weight format is unknown or does not fit the model (int4: widths a multiple
+            of 32).
         MissingDependencyError: ``transformers`` (for the tokenizer) or ``gguf`` is missing.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"causal LM dtype {dtype} is not supported (supported: {DTYPES})")
+    if weight_format is not None and weight_format not in WEIGHT_FORMATS:
+        raise ConfigError(
+            f"weight format {weight_format!r} is not supported (supported: {WEIGHT_FORMATS})"
+        )
     path = Path(path)
     target = torch.device(device)
     started = time.monotonic()
     if path.is_file() and path.suffix == ".gguf":
-        loaded = _load_gguf(path, dtype, target, load_tokenizer)
+        loaded = _load_gguf(path, dtype, target, load_tokenizer, weight_format)
     elif path.is_dir():
-        loaded = _load_folder(path, dtype, target, load_tokenizer)
+        loaded = _load_folder(path, dtype, target, load_tokenizer, weight_format)
     else:
         raise ConfigError(f"{path}: expected a Hugging Face model folder or a .gguf file")
     info = loaded.model.info
     logger.info(
         "loaded causal LM %s (%s, %d layers, %d heads / %d kv heads, vocab %d, %s on %s, "
-        "%.1f MB of weights) in %.2f s",
+        "weights %s, %.1f MB of weights) in %.2f s",
         loaded.name,
         info.architecture,
         info.num_layers,
@@ -92,18 +109,40 @@ def load_causal_lm(
         info.vocab_size,
         dtype,
         target,
+        weight_format or "unquantised",
         loaded.model.weight_bytes / 1e6,
         time.monotonic() - started,
     )
     return loaded
 
 
+def _weights(
+    spec: ModelSpec,
+    source: TensorSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    where: str,
+    weight_format: str | None,
+) -> ModelWeights:
+    if weight_format is None:
+        return build_weights(spec, source, dtype, device, where)
+    full = build_weights(spec, source, torch.float32, device, where)
+    try:
+        return quantize_weights(full, weight_format, dtype, device)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
 def _load_folder(
-    folder: Path, dtype: torch.dtype, device: torch.device, load_tokenizer: bool
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_tokenizer: bool,
+    weight_format: str | None,
 ) -> LoadedCausalLM:
     spec = spec_from_config(read_config(folder), source=str(folder / "config.json"))
     with folder_source(folder) as source:
-        weights = build_weights(spec, source, dtype, device, str(folder))
+        weights = _weights(spec, source, dtype, device, str(folder), weight_format)
     model = CausalLM(spec, weights, dtype, device)
     eos = _generation_eos(folder) or spec.eos_token_ids
     tokenizer = _tokenizer(str(folder), None) if load_tokenizer else None
@@ -118,11 +157,15 @@ def _load_folder(
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, load_tokenizer: bool
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_tokenizer: bool,
+    weight_format: str | None,
 ) -> LoadedCausalLM:
     gguf = open_gguf(path)
     with gguf.tensors as source:
-        weights = build_weights(gguf.spec, source, dtype, device, str(path))
+        weights = _weights(gguf.spec, source, dtype, device, str(path), weight_format)
     model = CausalLM(gguf.spec, weights, dtype, device)
     tokenizer = _tokenizer(str(path.parent), path.name) if load_tokenizer else None
     template = getattr(tokenizer, "chat_template", None) or gguf.chat_template

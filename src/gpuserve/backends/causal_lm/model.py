@@ -3,7 +3,8 @@
 Every supported family (Llama, Mistral, Qwen2, Qwen3, GPT-2) runs the same pre-norm
 decoder; :class:`ModelSpec` switches the norm, the positions, the MLP and the per-head q/k
 norms. The linear layers run on all tokens of the step at once (``[T, hidden]``); attention
-goes through :mod:`gpuserve.backends.causal_lm.attention`.
+goes through :mod:`gpuserve.backends.causal_lm.attention`; the weight matrices may be
+quantised (:mod:`gpuserve.backends.causal_lm.quantize`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from gpuserve.backends.causal_lm.architectures import ModelSpec
 from gpuserve.backends.causal_lm.attention import PagedAttention, select_attention, write_kv
+from gpuserve.backends.causal_lm.quantize import linear
 from gpuserve.backends.causal_lm.step import StepBatch
 from gpuserve.backends.causal_lm.weights import ModelWeights, Norm, distinct_tensors
 
@@ -34,7 +36,7 @@ class CausalLMInfo:
         max_position: Longest sequence the model serves, tokens.
         eos_token_ids: Ids that end a generation (from the config; may be empty).
         bos_token_id: Beginning-of-sequence id, or None.
-        dtype: Dtype of the weights and the KV cache.
+        dtype: Dtype of the activations, the KV cache and the unquantised weights.
     """
 
     architecture: str
@@ -176,32 +178,37 @@ class CausalLM:
         rotation = self._rotation(batch.positions)
         for index, layer in enumerate(weights.layers):
             x = self._norm(hidden, layer.attn_norm)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q = qkv[:, :q_width].view(tokens, heads, head_dim)
-            k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, head_dim)
+            qkv = linear(x, layer.qkv_weight, layer.qkv_bias)
             v = qkv[:, q_width + kv_width :].view(tokens, kv_heads, head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = self._rms(q, layer.q_norm)
+                q = self._rms(qkv[:, :q_width].view(tokens, heads, head_dim), layer.q_norm)
+                k = qkv[:, q_width : q_width + kv_width].view(tokens, kv_heads, head_dim)
                 k = self._rms(k, layer.k_norm)
-            if rotation is not None:
-                q = _rotate(q, *rotation)
-                k = _rotate(k, *rotation)
+                if rotation is not None:
+                    q, k = _rotate(q, *rotation), _rotate(k, *rotation)
+            else:
+                # q and k side by side: one rotation of [T, heads + kv_heads, head_dim]
+                # (half the small ops of a decode step's RoPE)
+                qk = qkv[:, : q_width + kv_width].view(tokens, heads + kv_heads, head_dim)
+                if rotation is not None:
+                    qk = _rotate(qk, *rotation)
+                q, k = qk[:, :heads], qk[:, heads:]
             key_cache, value_cache = cache.keys[index], cache.values[index]
             write_kv(key_cache, value_cache, k, v, batch.slot_mapping)
             attended = attention(q, k, v, key_cache, value_cache, batch)
-            hidden = hidden + F.linear(
+            hidden = hidden + linear(
                 attended.reshape(tokens, q_width), layer.o_weight, layer.o_bias
             )
             x = self._norm(hidden, layer.mlp_norm)
-            x = F.linear(x, layer.up_weight, layer.up_bias)
+            x = linear(x, layer.up_weight, layer.up_bias)
             if spec.mlp == "swiglu":
                 gate, up = x.chunk(2, dim=-1)
                 x = F.silu(gate) * up
             else:
                 x = F.gelu(x, approximate="tanh")
-            hidden = hidden + F.linear(x, layer.down_weight, layer.down_bias)
+            hidden = hidden + linear(x, layer.down_weight, layer.down_bias)
         last = self._norm(hidden[batch.logits_rows], weights.final_norm)
-        return F.linear(last, weights.lm_head).float()
+        return linear(last, weights.lm_head).float()
 
     __call__ = forward
 

@@ -20,6 +20,12 @@ from typing import Any, Protocol
 import torch
 
 from gpuserve.backends.causal_lm.architectures import GPT2, ModelSpec
+from gpuserve.backends.causal_lm.quantize import (
+    QuantizedLinear,
+    Weight,
+    packed_kernel_available,
+    quantize,
+)
 from gpuserve.errors import ConfigError
 
 
@@ -45,7 +51,8 @@ class Norm:
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer, in ``[out, in]`` layout, in the serving dtype.
+    """One decoder layer, in ``[out, in]`` layout, in the serving dtype (the four weight
+    matrices possibly quantised: :class:`QuantizedLinear`).
 
     Attributes:
         attn_norm: Norm before attention.
@@ -64,16 +71,16 @@ class LayerWeights:
     """
 
     attn_norm: Norm
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
     mlp_norm: Norm
-    up_weight: torch.Tensor
+    up_weight: Weight
     up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: Weight
     down_bias: torch.Tensor | None
 
 
@@ -86,14 +93,15 @@ class ModelWeights:
         pos_embed: ``[max_position, hidden]`` learned positions (GPT-2), or None.
         layers: The decoder layers in order.
         final_norm: Norm after the last layer.
-        lm_head: ``[vocab, hidden]``; the same tensor as ``embed`` when tied.
+        lm_head: ``[vocab, hidden]``; the same tensor as ``embed`` when tied (quantised:
+            ``embed`` is then its ``dense`` matrix).
     """
 
     embed: torch.Tensor
     pos_embed: torch.Tensor | None
     layers: list[LayerWeights]
     final_norm: Norm
-    lm_head: torch.Tensor
+    lm_head: Weight
 
 
 class SafetensorsFolder:
@@ -328,10 +336,61 @@ def _gpt2_weights(spec: ModelSpec, loader: _Loader) -> ModelWeights:
     )
 
 
+def quantize_weights(
+    weights: ModelWeights, fmt: str, dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
+    """``weights`` (float32, built with :func:`build_weights`) with the four matrices of
+    every layer quantised to ``fmt``, the ``lm_head`` to int8 (either format), and every
+    other tensor in ``dtype``.
+
+    A tied embedding becomes the quantised head's ``dense`` matrix (one copy, and the
+    lookups see the same values the head multiplies by).
+    """
+    def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(dtype)
+
+    def norm(n: Norm) -> Norm:
+        return Norm(n.weight.to(dtype), cast(n.bias))
+
+    def matrix(weight: Weight, kind: str = fmt) -> QuantizedLinear:
+        assert isinstance(weight, torch.Tensor), "quantising weights that already are"
+        return quantize(weight, kind, dtype, packed_kernel_available(kind, dtype, device))
+
+    tied = weights.lm_head is weights.embed
+    # the output projection (and a tied embedding) stays at 8 bits under int4, as
+    # llama.cpp's Q4_x files keep it (Q8_0/Q6_K): 4 bits there cost the most accuracy
+    lm_head = matrix(weights.lm_head, "int8")
+    layers = [
+        LayerWeights(
+            attn_norm=norm(layer.attn_norm),
+            qkv_weight=matrix(layer.qkv_weight),
+            qkv_bias=cast(layer.qkv_bias),
+            q_norm=cast(layer.q_norm),
+            k_norm=cast(layer.k_norm),
+            o_weight=matrix(layer.o_weight),
+            o_bias=cast(layer.o_bias),
+            mlp_norm=norm(layer.mlp_norm),
+            up_weight=matrix(layer.up_weight),
+            up_bias=cast(layer.up_bias),
+            down_weight=matrix(layer.down_weight),
+            down_bias=cast(layer.down_bias),
+        )
+        for layer in weights.layers
+    ]
+    return ModelWeights(
+        embed=lm_head.dense if tied else weights.embed.to(dtype),
+        pos_embed=cast(weights.pos_embed),
+        layers=layers,
+        final_norm=norm(weights.final_norm),
+        lm_head=lm_head,
+    )
+
+
 def distinct_tensors(weights: ModelWeights) -> Iterator[torch.Tensor]:
-    """Every distinct tensor of ``weights`` (for counting bytes)."""
+    """Every distinct tensor of ``weights`` (for counting bytes; a quantised matrix as its
+    packed weights, scales and dense copy)."""
     seen: set[int] = set()
-    candidates: list[torch.Tensor | None] = [
+    candidates: list[Weight | None] = [
         weights.embed,
         weights.pos_embed,
         weights.final_norm.weight,
@@ -355,7 +414,13 @@ def distinct_tensors(weights: ModelWeights) -> Iterator[torch.Tensor]:
             layer.down_weight,
             layer.down_bias,
         ]
-    for tensor in candidates:
-        if tensor is not None and id(tensor) not in seen:
+    tensors: list[torch.Tensor] = []
+    for candidate in candidates:
+        if isinstance(candidate, QuantizedLinear):
+            tensors += [candidate.packed, candidate.scales, candidate.dense]
+        elif candidate is not None:
+            tensors.append(candidate)
+    for tensor in tensors:
+        if id(tensor) not in seen:
             seen.add(id(tensor))
             yield tensor
