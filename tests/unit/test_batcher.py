@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpuserve.engine.batch import Batch, BatchResult
 from gpuserve.engine.batcher import DynamicBatcher, Pending
 from gpuserve.engine.request import InferenceRequest
 from gpuserve.errors import OverloadedError
@@ -251,3 +252,88 @@ def test_two_halves_merge_on_one_instance_but_not_across_two():
     for i in range(4):
         two.add(item(at=0.031, tag=f"c{i}"))
     assert two.next_batch(0.031).rows == 4  # as many as last time: at once
+
+
+# -- the bulk lane's sizing (engine/bulk_policy.py) -------------------------------------------
+
+BULK = 2  # the bulk level of a batcher with one priority level
+
+
+def text(rows: int, length: int, at: float = 0.0, tag: str = "", priority: int = 1) -> Pending:
+    """A queued request of ``rows`` rows of ``length`` tokens each."""
+    p = item(rows, at, key=("text",), priority=priority, tag=tag)
+    p.length = length
+    p.tokens = rows * length
+    return p
+
+
+def trained(b: DynamicBatcher) -> DynamicBatcher:
+    """``b`` after measuring batches of 5 ms + 0.1 ms per padded token (20 and 100 tokens)."""
+    for padded, seconds in [(20, 0.007), (100, 0.015)] * 3:
+        batch = Batch([], 1, 0.0, tokens=padded, padded_tokens=padded)
+        b.ran(BatchResult(batch, started_s=1.0, finished_s=1.0 + seconds), 0.0)
+    return b
+
+
+def test_the_bulk_cost_fit_is_learned_from_finished_batches():
+    b = trained(DynamicBatcher(max_batch_size=64, max_batch_tokens=512))
+    a, per_token = b.bulk_policy.cost.coefficients()
+    assert a == pytest.approx(0.005) and per_token == pytest.approx(0.0001)
+
+
+def test_a_bulk_led_batch_is_sized_to_the_compute_budget_while_interactive_traffic_is_about():
+    b = trained(
+        DynamicBatcher(
+            max_batch_size=64, max_batch_tokens=512, bulk_max_compute_s=0.010, bulk_quiet_s=1.0
+        )
+    )
+    b.add(text(1, 10, at=0.0, tag="i"))
+    assert tags(b.next_batch(0.0)) == ["i"]  # interactive traffic seen at t=0
+    for n in range(8):
+        b.add(text(2, 10, at=0.1, tag=f"b{n}", priority=BULK))
+    # 10 ms budget: 5 ms fixed + 50 padded tokens, two chunks of 2 x 10 tokens
+    assert tags(b.next_batch(0.5)) == ["b0", "b1"]
+    # no interactive arrival for a second: the whole token budget (here: what is queued)
+    assert tags(b.next_batch(1.5)) == [f"b{n}" for n in range(2, 8)]
+
+
+def test_bulk_fill_of_an_interactive_batch_adds_at_most_half_the_budget():
+    b = trained(
+        DynamicBatcher(max_batch_size=64, max_batch_tokens=512, bulk_max_compute_s=0.010)
+    )
+    for n in range(8):
+        b.add(text(2, 10, at=0.0, tag=f"b{n}", priority=BULK))
+    b.add(text(1, 10, at=0.2, tag="i"))
+    # 10 tokens of its own + 5 ms of fill (50 tokens): two chunks of 20
+    assert tags(b.next_batch(0.2)) == ["i", "b0", "b1"]
+
+
+def test_before_any_batch_is_measured_bulk_runs_one_chunk_at_a_time_and_fills_nothing():
+    b = DynamicBatcher(max_batch_size=64, max_batch_tokens=512)
+    for n in range(4):
+        b.add(text(2, 10, at=0.0, tag=f"b{n}", priority=BULK))
+    b.add(text(1, 10, at=0.1, tag="i"))
+    assert tags(b.next_batch(0.1)) == ["i"]
+    assert tags(b.next_batch(0.2)) == ["b0"]
+    assert tags(b.next_batch(1.2)) == ["b1", "b2", "b3"]  # quiet again: all of them
+
+
+def test_bulk_rows_without_costs_are_sized_in_rows():
+    b = DynamicBatcher(max_batch_size=64, bulk_max_compute_s=0.010, bulk_quiet_s=1.0)
+    for rows, seconds in [(1, 0.006), (9, 0.014)] * 3:  # 5 ms + 1 ms per row
+        b.ran(BatchResult(Batch([], rows, 0.0), started_s=0.0, finished_s=seconds), 0.0)
+    for n in range(10):
+        b.add(item(2, at=0.0, priority=BULK, tag=f"b{n}"))
+    b.add(item(1, at=0.0, tag="i"))
+    # fill: half of 10 ms at 1 ms per row, 5 rows: two chunks of 2
+    assert tags(b.next_batch(0.0)) == ["i", "b0", "b1"]
+    assert tags(b.next_batch(0.1)) == ["b2", "b3"]  # lead: 5 ms + 5 rows: two chunks
+    assert tags(b.next_batch(2.0)) == [f"b{n}" for n in range(4, 10)]
+
+
+def test_a_zero_quiet_time_turns_the_bound_off():
+    b = trained(DynamicBatcher(max_batch_size=64, max_batch_tokens=512, bulk_quiet_s=0.0))
+    for n in range(4):
+        b.add(text(2, 10, at=0.0, tag=f"b{n}", priority=BULK))
+    b.add(text(1, 10, at=0.0, tag="i"))
+    assert tags(b.next_batch(0.0)) == ["i", "b0", "b1", "b2", "b3"]

@@ -12,6 +12,7 @@ from gpuserve.engine.generate.scheduler import GenerationScheduler
 from gpuserve.engine.generate.sequence import Sequence
 from gpuserve.engine.stats import RequestStats
 from gpuserve.errors import OverloadedError
+from gpuserve.service.apis.chunks import BULK_ROWS_IN_FLIGHT, WINDOW, ChunkPlan, chunk_plan
 from gpuserve.service.lanes import parse_lane
 from tests.unit.test_scheduler_core import Worker, config, core_with, request, run, values
 
@@ -24,7 +25,8 @@ def bulk(rows: int = 1, value: float = 0.0):
 
 def test_interactive_rows_lead_and_bulk_rows_fill_the_rest_of_the_batch():
     worker = Worker("w0")
-    core, _ = core_with(worker, cfg=config(max_batch_size=4))
+    # bulk_quiet_us=0: no compute bound on the fill (that bound: test_batcher.py)
+    core, _ = core_with(worker, cfg=config(max_batch_size=4, bulk_quiet_us=0))
     core.admit(request(value=-1), 0.0)
     (first,) = core.schedule(0.0).dispatched  # the instance is busy from here on
     for i in range(5):
@@ -38,7 +40,7 @@ def test_interactive_rows_lead_and_bulk_rows_fill_the_rest_of_the_batch():
 
 def test_a_bulk_led_batch_goes_only_to_an_idle_instance():
     worker = Worker("w0", capacity=2)  # a pipelined instance: room for two batches
-    core, _ = core_with(worker, cfg=config(max_batch_size=2))
+    core, _ = core_with(worker, cfg=config(max_batch_size=2, bulk_quiet_us=0))
     core.admit(bulk(value=100), 0.0)
     core.admit(bulk(value=101), 0.0)
     core.admit(bulk(value=102), 0.0)
@@ -79,7 +81,7 @@ def test_each_lane_has_its_own_queue_limit():
 
 def test_each_finished_request_says_its_lane():
     worker = Worker("w0")
-    core, events = core_with(worker, cfg=config(max_batch_size=8))
+    core, events = core_with(worker, cfg=config(max_batch_size=8, bulk_quiet_us=0))
     core.admit(request(2), 0.0)
     core.admit(bulk(3), 0.0)
     (record,) = core.schedule(0.5).dispatched
@@ -133,7 +135,9 @@ def test_bulk_sequences_are_preempted_first_when_blocks_run_out():
 
 def test_no_batch_carries_more_than_bulk_max_batch_size_bulk_rows():
     worker = Worker("w0")
-    core, _ = core_with(worker, cfg=config(max_batch_size=8, bulk_max_batch_size=2))
+    core, _ = core_with(
+        worker, cfg=config(max_batch_size=8, bulk_max_batch_size=2, bulk_quiet_us=0)
+    )
     for i in range(6):
         core.admit(bulk(value=100 + i), 0.0)
     (first,) = core.schedule(0.0).dispatched
@@ -142,3 +146,13 @@ def test_no_batch_carries_more_than_bulk_max_batch_size_bulk_rows():
     core.complete(run(first, 0.0, 0.002), 0.002)
     (second,) = core.schedule(0.002).dispatched
     assert values(second.batch.items) == [1, 102, 103]  # led by interactive: 2 bulk rows more
+
+
+def test_bulk_calls_are_cut_into_short_chunks_with_more_of_them_in_flight():
+    live = config(max_batch_size=64)
+    assert chunk_plan([live], bulk=False) == ChunkPlan(64, WINDOW)
+    assert chunk_plan([live], bulk=True) == ChunkPlan(2, BULK_ROWS_IN_FLIGHT // 2)
+    small = config(max_batch_size=64, bulk_chunk_rows=8, bulk_max_batch_size=4)
+    assert chunk_plan([live, small], bulk=True) == ChunkPlan(2, BULK_ROWS_IN_FLIGHT // 2)
+    assert chunk_plan([small], bulk=True) == ChunkPlan(4, BULK_ROWS_IN_FLIGHT // 4)
+    assert chunk_plan([config(max_batch_size=1)], bulk=True) == ChunkPlan(1, BULK_ROWS_IN_FLIGHT)

@@ -48,10 +48,23 @@ class DynamicBatchingConfig(_Strict):
         bulk_max_queue_size: Most requests of the bulk lane held in the queue (requests
             marked bulk, and every request of a batch job); one more is refused with 429.
             Bulk requests do not count against ``max_queue_size``.
-        bulk_max_batch_size: Most rows of a batch led by a bulk request (and of each chunk a
-            bulk call is cut into). An interactive request that arrives while one runs waits
-            for it to finish: smaller bulk batches keep that wait short, larger ones run bulk
-            work more efficiently. None (default): ``max_batch_size``.
+        bulk_max_batch_size: Most bulk rows in one batch. None (default):
+            ``max_batch_size``.
+        bulk_chunk_rows: Rows of each chunk a bulk call (marked bulk, or a batch job's line)
+            is cut into, at most ``bulk_max_batch_size``. A chunk is the smallest piece of
+            bulk work a batch takes, so an interactive request that arrives while a bulk-led
+            batch runs waits for at least one chunk's compute; when no interactive request is
+            about, the batcher joins many chunks into full batches.
+        bulk_max_compute_us: While interactive requests are about (one arrived within
+            ``bulk_quiet_us``), the most estimated compute of a batch led by a bulk request
+            (its first chunk runs whatever its size), and twice the most that bulk rows may
+            add to a batch led by an interactive one, microseconds. Estimated from the
+            model's measured batch times (a fixed cost per batch plus a cost per padded
+            token, or per row). 0: bulk batches of one chunk and no bulk rows in interactive
+            batches.
+        bulk_quiet_us: How long after the last interactive arrival ``bulk_max_compute_us``
+            holds, microseconds; after that, batches led by bulk requests take the whole row
+            and token budget. 0: never.
     """
 
     max_queue_delay_us: int = Field(default=0, ge=0, le=60_000_000)
@@ -65,6 +78,9 @@ class DynamicBatchingConfig(_Strict):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     bulk_max_queue_size: int = Field(default=4096, ge=1)
     bulk_max_batch_size: int | None = Field(default=None, ge=1)
+    bulk_chunk_rows: int = Field(default=2, ge=1)
+    bulk_max_compute_us: int = Field(default=5000, ge=0, le=60_000_000)
+    bulk_quiet_us: int = Field(default=1_000_000, ge=0, le=3_600_000_000)
 
     @model_validator(mode="after")
     def _check(self) -> DynamicBatchingConfig:

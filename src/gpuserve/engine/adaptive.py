@@ -7,9 +7,9 @@ A pure policy object, driven by the scheduler once per finished batch::
     policy.apply(batcher)              # sets batcher.max_queue_delay_s and batcher.row_cap
 
 Batch service time is fitted as ``c(rows) = a + b * rows`` by exponentially weighted least
-squares over recent batches; ``a`` is what each batch costs whatever its size, ``b`` what
-each row adds. With ``L = headroom * target_p99`` (the rest is left for the protocol layers
-and noise):
+squares over recent batches (:class:`~gpuserve.engine.cost_fit.LinearCost`); ``a`` is what
+each batch costs whatever its size, ``b`` what each row adds. With
+``L = headroom * target_p99`` (the rest is left for the protocol layers and noise):
 
 * **row cap** ``B*``: the largest batch with ``c(B*) <= L``. A batch that big already spends
   the budget, so the batcher stops waiting and sends it as soon as ``B*`` rows are queued.
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpuserve.engine.batcher import Batch
+from gpuserve.engine.cost_fit import LinearCost
 
 
 class _Tunable(Protocol):
@@ -85,7 +86,7 @@ class AdaptiveBatching:
         self.decay = decay
         self.spread_margin = spread_margin
         self.batches = 0
-        self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._fit = LinearCost(decay)  # service seconds in rows
         self._spread_s = 0.0
         self._rows = 0.0  # recent typical batch rows (moving average)
 
@@ -100,13 +101,8 @@ class AdaptiveBatching:
 
     def observe_values(self, rows: int, spread_s: float, service_s: float) -> None:
         """:meth:`observe` with plain numbers (rows, gathering seconds, service seconds)."""
-        k = self.decay
-        x, y = float(max(rows, 1)), max(service_s, 0.0)
-        self._s0 = k * self._s0 + 1.0
-        self._sx = k * self._sx + x
-        self._sy = k * self._sy + y
-        self._sxx = k * self._sxx + x * x
-        self._sxy = k * self._sxy + x * y
+        x = float(max(rows, 1))
+        self._fit.observe(x, service_s)
         alpha = 0.2 if self.batches else 1.0
         self._spread_s += alpha * (max(spread_s, 0.0) - self._spread_s)
         self._rows += alpha * (x - self._rows)
@@ -114,18 +110,7 @@ class AdaptiveBatching:
 
     def cost(self) -> tuple[float, float]:
         """The fitted ``(a, b)`` of ``c(rows) = a + b * rows``, seconds; both >= 0."""
-        if self._s0 == 0:
-            return 0.0, 0.0
-        det = self._s0 * self._sxx - self._sx * self._sx
-        if det > 1e-9 * self._s0 * self._sxx:
-            b = (self._s0 * self._sxy - self._sx * self._sy) / det
-            a = (self._sy - b * self._sx) / self._s0
-            if a >= 0 and b >= 0:
-                return a, b
-            if b < 0:  # bigger batches were not slower: a flat cost
-                return self._sy / self._s0, 0.0
-        # one batch size seen (or a negative intercept): proportional cost, the cautious guess
-        return 0.0, self._sxy / self._sxx if self._sxx else 0.0
+        return self._fit.coefficients()
 
     def predict_s(self, rows: int) -> float:
         """Predicted service time of a batch of ``rows`` rows, seconds."""

@@ -38,9 +38,12 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   interactive request whenever one is queued, and bulk rows fill the rest of its row and
   token budget; a batch led by a bulk request forms only for an instance with nothing in
   flight (the core sets :attr:`DynamicBatcher.bulk_may_lead`), and no batch carries more than
-  ``bulk_max_batch_size`` bulk rows, so a bulk backlog never holds an interactive request
-  back by more than the one batch running when it arrives, and adds at most that many rows
-  to its own batch.
+  ``bulk_max_batch_size`` bulk rows. While interactive requests are about, the bulk lane's
+  policy (:mod:`gpuserve.engine.bulk_policy`) bounds the bulk work further by estimated
+  compute: a bulk-led batch to ``bulk_max_compute_s``, the fill of an interactive-led one to
+  half of it; so a bulk backlog holds an interactive request back by at most the short bulk
+  batch running when it arrives, plus a little fill in its own batch. With no interactive
+  arrival for ``bulk_quiet_s``, bulk-led batches are as large as the limits allow.
 * Every time value is seconds on the caller's monotonic clock, so tests use a fake clock.
 """
 
@@ -53,7 +56,8 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Protocol
 
 from gpuserve.engine.batch import Batch, BatchResult, Pending
-from gpuserve.engine.lengths import select_group
+from gpuserve.engine.bulk_policy import BulkPolicy
+from gpuserve.engine.lengths import extend_group, select_group
 from gpuserve.errors import OverloadedError
 
 if TYPE_CHECKING:
@@ -176,8 +180,12 @@ class DynamicBatcher:
         unpadded: The model runs batches without padding: requests with costs join in
             arrival order whatever their lengths and the budget counts real tokens.
         bulk_max_queue_size: Most queued bulk requests.
-        bulk_max_batch_size: Most rows of a batch led by a bulk request (an interactive
-            request arriving meanwhile waits for it to finish); None: ``max_batch_size``.
+        bulk_max_batch_size: Most bulk rows in one batch (an interactive request arriving
+            while a bulk-led one runs waits for it to finish); None: ``max_batch_size``.
+        bulk_max_compute_s: While interactive traffic is about, most estimated compute of a
+            bulk-led batch, and most that bulk rows add to an interactive-led one, seconds
+            (:class:`~gpuserve.engine.bulk_policy.BulkPolicy`).
+        bulk_quiet_s: How long after the last interactive arrival that bound holds, seconds.
     """
 
     @classmethod
@@ -208,6 +216,8 @@ class DynamicBatcher:
             unpadded=unpadded,
             bulk_max_queue_size=db.bulk_max_queue_size,
             bulk_max_batch_size=db.bulk_max_batch_size or config.max_batch_size or 1,
+            bulk_max_compute_s=db.bulk_max_compute_us / 1e6,
+            bulk_quiet_s=db.bulk_quiet_us / 1e6,
         )
 
     def __init__(
@@ -222,6 +232,8 @@ class DynamicBatcher:
         unpadded: bool = False,
         bulk_max_queue_size: int = 4096,
         bulk_max_batch_size: int | None = None,
+        bulk_max_compute_s: float = 0.005,
+        bulk_quiet_s: float = 1.0,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -243,6 +255,8 @@ class DynamicBatcher:
         self.bulk_max_queue_size = bulk_max_queue_size
         self.bulk_max_batch_size = max(1, bulk_max_batch_size or max_batch_size or 1)
         self.bulk_may_lead = True
+        #: How much bulk work a batch may carry while interactive traffic is about.
+        self.bulk_policy = BulkPolicy(bulk_max_compute_s, bulk_quiet_s)
         self._size = 0
         self._rows = 0
         self._bulk_size = 0
@@ -295,6 +309,8 @@ class DynamicBatcher:
         if bulk:
             self._bulk_size += 1
             self._bulk_rows += item.rows
+        else:
+            self.bulk_policy.interactive_arrived(item.arrival_s)
         if item.deadline_s is not None:
             heapq.heappush(self._deadlines, (item.deadline_s, next(self._seq), item))
 
@@ -399,6 +415,10 @@ class DynamicBatcher:
             limit = min(limit, self.bulk_max_batch_size)
         if head.length:
             return self._next_group(head, limit, now)
+        if head.priority == self.bulk_level:
+            lead = self.bulk_policy.lead_work(now)  # rows, for requests without costs
+            if lead is not None:
+                limit = max(head.rows, min(limit, lead))
         available = self._compatible_rows(head.shape_key, limit)
         regathering = now < self._regather_until
         # the same sum as next_wakeup's, so a timer fired at that time finds the batch due
@@ -415,7 +435,8 @@ class DynamicBatcher:
         take_all = waited_out or expected_hit
         target = min(available, limit) if take_all else self._target_rows(available)
         target = max(min(target, limit), head.rows)
-        batch = self._take(head.shape_key, target, now)
+        fill = None if head.priority == self.bulk_level else self.bulk_policy.fill_work(now)
+        batch = self._take(head.shape_key, target, now, fill)
         if not batch.items:
             return None
         self._last_rows = batch.rows
@@ -426,7 +447,8 @@ class DynamicBatcher:
         """:meth:`next_batch` for a leader with a cost: a length-homogeneous group within the
         token budget. Due on the same signals as a plain batch, with the group's rows."""
         key = head.shape_key
-        candidates: list[Pending] = []
+        candidates: list[Pending] = []  # interactive rows
+        bulk_rows: list[Pending] = []
         gone: list[Pending] = []
         available = head.rows
         bulk_room = self.bulk_max_batch_size  # bulk rows this batch may carry
@@ -442,9 +464,25 @@ class DynamicBatcher:
                     if item.rows > bulk_room:
                         break
                     bulk_room -= item.rows
-                candidates.append(item)
+                    bulk_rows.append(item)
+                else:
+                    candidates.append(item)
                 available += item.rows
-        group = select_group(head, candidates, limit, self.max_batch_tokens, self.unpadded)
+        tokens = self.max_batch_tokens
+        policy = self.bulk_policy
+        if head.priority == self.bulk_level:  # sized to the policy's compute budget
+            lead = policy.lead_work(now)
+            if lead is not None:
+                tokens = lead if tokens is None else min(tokens, lead)
+            group = select_group(head, bulk_rows, limit, tokens, self.unpadded)
+        else:  # interactive rows first, then bulk fill within the policy's budget
+            group = select_group(head, candidates, limit, tokens, self.unpadded)
+            fill = policy.fill_work(now)
+            if bulk_rows and fill != 0:
+                if fill is not None:
+                    work = self._work(group.items, group.rows, group.longest)
+                    tokens = work + fill if tokens is None else min(tokens, work + fill)
+                group = extend_group(group, bulk_rows, limit, tokens, self.unpadded)
         regathering = now < self._regather_until
         waited_out = now >= head.arrival_s + self.max_queue_delay_s and not regathering
         preferred_hit = bool(self.preferred) and group.rows >= self.preferred[0]
@@ -500,16 +538,22 @@ class DynamicBatcher:
             self._regather_until = now + window
             self._regather_rows = self.queued_rows + rows
 
-    def _take(self, key: Hashable, target: int, now: float) -> Batch:
+    def _take(self, key: Hashable, target: int, now: float, fill: int | None = None) -> Batch:
+        """Up to ``target`` rows of shape ``key``, by level; at most ``fill`` bulk rows after
+        interactive ones (None: as many as fit)."""
         items: list[Pending] = []
         rows = 0
         for index, level in enumerate(self._levels):
             if rows >= target or not level:
                 continue
-            # bulk rows: at most bulk_max_batch_size of them in any batch
+            # bulk rows: at most bulk_max_batch_size of them in any batch, and at most the
+            # policy's fill after interactive rows
             cap = target
             if index == self.bulk_level - 1:
-                cap = min(target, rows + self.bulk_max_batch_size)
+                room = self.bulk_max_batch_size
+                if rows and fill is not None:
+                    room = min(room, fill)
+                cap = min(target, rows + room)
             keep: deque[Pending] = deque()
             for item in level:
                 if rows < cap and item.shape_key == key and rows + item.rows <= cap:
@@ -546,7 +590,19 @@ class DynamicBatcher:
         return wake
 
     def ran(self, result: BatchResult, now: float) -> None:
-        """Nothing is kept per request here."""
+        """A batch finished: its compute time feeds the bulk policy's cost estimate (nothing
+        is kept per request)."""
+        batch = result.batch
+        if result.error is None and result.finished_s > result.started_s:
+            work = batch.padded_tokens or batch.rows
+            self.bulk_policy.observe(work, result.finished_s - result.started_s)
+
+    def _work(self, items: list[Pending], rows: int, longest: int) -> int:
+        """Work units of a batch of ``items`` (the bulk policy's): tokens it computes on
+        (padded, or real when unpadded)."""
+        if self.unpadded:
+            return sum(item.tokens for item in items)
+        return rows * longest
 
     def drain(self) -> list[Pending]:
         """Remove and return every queued item (shutdown/unload)."""

@@ -95,14 +95,30 @@ def select_group(
     Returns:
         The :class:`Group`; candidates are chosen nearest length first unless ``unpadded``.
     """
+    alone = Group([head], head.rows, head.length, head.rows >= row_limit)
+    return extend_group(alone, candidates, row_limit, max_tokens, unpadded)
+
+
+def extend_group(
+    group: Group,
+    candidates: Iterable[Pending],
+    row_limit: int,
+    max_tokens: int | None,
+    unpadded: bool = False,
+) -> Group:
+    """``group`` (its leader first) joined by more of ``candidates``, chosen as
+    :func:`select_group` chooses: the batcher adds bulk rows to the interactive rows this
+    way, after them and within a budget of their own. Arguments as :func:`select_group`'s;
+    ``group`` itself is kept whole even when it exceeds ``max_tokens``."""
     if unpadded:
-        return _select_unpadded(head, candidates, row_limit, max_tokens)
-    target = head.length
+        return _extend_unpadded(group, candidates, row_limit, max_tokens)
+    target = group.items[0].length
     ordered = sorted(candidates, key=lambda item: abs(item.length - target))
-    items = [head]
-    rows = head.rows
-    shortest = longest = target
-    full = rows >= row_limit
+    items = list(group.items)
+    rows = group.rows
+    longest = group.longest
+    shortest = min(item.length for item in items)
+    full = group.full or rows >= row_limit
     for item in ordered:
         if rows >= row_limit:
             full = True
@@ -124,13 +140,14 @@ def select_group(
     return Group(items, rows, longest, full or no_room or rows >= row_limit)
 
 
-def _select_unpadded(
-    head: Pending, candidates: Iterable[Pending], row_limit: int, max_tokens: int | None
+def _extend_unpadded(
+    group: Group, candidates: Iterable[Pending], row_limit: int, max_tokens: int | None
 ) -> Group:
-    """:func:`select_group` for unpadded execution: arrival order, real-token budget."""
-    items = [head]
-    rows, tokens, longest = head.rows, head.tokens, head.length
-    full = rows >= row_limit
+    """:func:`extend_group` for unpadded execution: arrival order, real-token budget."""
+    items = list(group.items)
+    rows, longest = group.rows, group.longest
+    tokens = sum(item.tokens for item in items)
+    full = group.full or rows >= row_limit
     for item in candidates:
         if rows >= row_limit:
             full = True

@@ -2,8 +2,8 @@
 
 The embeddings service (OpenAI's ``/v1/embeddings``, TEI's ``/embed`` and ``/similarity``)
 and the retrieval service (``/rerank``, ``/predict``, ``/embed_sparse``, Cohere's
-``/v1/rerank``) cut a call of N rows into chunks of at most ``max_batch_size`` rows; this
-module sends them:
+``/v1/rerank``) cut a call of N rows into chunks of at most ``max_batch_size`` rows (a bulk
+call into smaller ones, :func:`chunk_plan`); this module sends them:
 
 1. chunks are admitted (:meth:`InferenceService.admit`) and queued
    (:meth:`InferenceService.submit`) **at most :data:`WINDOW` at a time**: the next one when
@@ -24,13 +24,47 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpuserve.config import ModelConfig
 
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.service.inference import Admission, InferenceService, WireRequest
 
 #: Chunks of one call queued or running at once (see step 1 of the module docstring).
 WINDOW = 2
+#: Rows of a bulk call queued or running at once: its chunks are small
+#: (``dynamic_batching.bulk_chunk_rows``), and the batcher needs several of alike length
+#: to join into a full batch when no interactive request is about.
+BULK_ROWS_IN_FLIGHT = 32
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """How a call is cut and sent.
+
+    Attributes:
+        rows: Most rows per chunk.
+        window: Chunks queued or running at once.
+    """
+
+    rows: int
+    window: int
+
+
+def chunk_plan(configs: Sequence[ModelConfig], bulk: bool, window: int = WINDOW) -> ChunkPlan:
+    """The plan of a call that versions of ``configs`` may serve (the default and the canary
+    of its route): chunks of at most the smallest ``max_batch_size`` (1 without batching);
+    a ``bulk`` call's chunks of at most ``dynamic_batching.bulk_chunk_rows`` (and
+    ``bulk_max_batch_size``), more of them in flight (:data:`BULK_ROWS_IN_FLIGHT` rows)."""
+    rows = max(1, min((c.max_batch_size for c in configs), default=1))
+    if not bulk:
+        return ChunkPlan(rows, window)
+    for config in configs:
+        db = config.dynamic_batching
+        rows = min(rows, db.bulk_chunk_rows, db.bulk_max_batch_size or rows)
+    return ChunkPlan(rows, max(window, BULK_ROWS_IN_FLIGHT // rows))
 
 
 class CallState:

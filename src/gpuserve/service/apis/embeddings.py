@@ -59,7 +59,7 @@ import numpy as np
 
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.errors import BackendError, ConfigError, GpuserveError, ModelNotFoundError
-from gpuserve.service.apis.chunks import WINDOW, CallState, serve_chunks
+from gpuserve.service.apis.chunks import WINDOW, CallState, ChunkPlan, chunk_plan, serve_chunks
 from gpuserve.service.apis.embedding_models import (
     COUNT_WORKERS,
     EmbeddingInputError,
@@ -284,7 +284,8 @@ class EmbeddingsService:
         except GpuserveError as err:
             self.service.record_unrouted(call.model, None, err.reason)
             raise
-        chunks = split_rows(call, self._max_rows(call.model))
+        plan = self._plan(call.model)
+        chunks = split_rows(call, plan.rows)
         # The token count overlaps the batches: started once the first chunk is queued
         # (every chunk runs on its version; a model whose admission step measured each
         # chunk needs none).
@@ -303,7 +304,7 @@ class EmbeddingsService:
                 lambda index: call.wire(chunks[index]),
                 len(chunks),
                 CallState(is_cancelled),
-                self.window,
+                plan.window,
                 traceparent,
                 count,
             )
@@ -331,20 +332,15 @@ class EmbeddingsService:
             compute_s=max(r.timing.compute_s for r in responses),
         )
 
-    def _max_rows(self, name: str) -> int:
-        """Rows per chunk: the smallest ``max_batch_size`` of the versions the route may pick
-        for a call naming no version (1 without batching); for a bulk call, at most their
-        ``dynamic_batching.bulk_max_batch_size`` (short bulk batches, see ``service.lanes``)."""
+    def _plan(self, name: str) -> ChunkPlan:
+        """Rows per chunk and chunks in flight (:func:`~gpuserve.service.apis.chunks.chunk_plan`)
+        for a call of model ``name`` naming no version: the versions its route may pick; a
+        bulk call's chunks are short (``dynamic_batching.bulk_chunk_rows``)."""
         model = self.service.manager.models.get(name)
         route = model.route if model is not None else None
         versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
-        sizes = [mv.config.max_batch_size for mv in versions]
-        if LANE.get() == "bulk":
-            sizes += [
-                mv.config.dynamic_batching.bulk_max_batch_size or mv.config.max_batch_size
-                for mv in versions
-            ]
-        return max(1, min(sizes)) if sizes else 1
+        configs = [mv.config for mv in versions]
+        return chunk_plan(configs, LANE.get() == "bulk", self.window)
 
     def _count(
         self, admission: Admission, call: EmbeddingCall, spec: EmbeddingSpec

@@ -41,7 +41,7 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
-from gpuserve.service.apis.chunks import WINDOW, CallState, serve_chunks
+from gpuserve.service.apis.chunks import WINDOW, CallState, ChunkPlan, chunk_plan, serve_chunks
 from gpuserve.service.apis.embeddings import even_chunks
 from gpuserve.service.inference import InferenceService, WireRequest
 from gpuserve.service.lanes import LANE
@@ -257,7 +257,8 @@ class RetrievalService:
         lengths = [len(t) for t in texts]
         if pairs is not None:
             lengths = [n + len(p) for n, p in zip(lengths, pairs, strict=True)]
-        chunks = chunk_rows(lengths, self._max_rows(model))
+        plan = self._plan(model)
+        chunks = chunk_rows(lengths, plan.rows)
 
         def chunk(index: int) -> WireRequest:
             wire: WireRequest = RowsWire(kind, texts, pairs, chunks[index], request_id)
@@ -269,7 +270,7 @@ class RetrievalService:
             chunk,
             len(chunks),
             CallState(is_cancelled),
-            self.window,
+            plan.window,
             traceparent,
         )
         first = admissions[0]
@@ -284,20 +285,15 @@ class RetrievalService:
             compute_s=max(r.timing.compute_s for r in done),
         )
 
-    def _max_rows(self, name: str) -> int:
-        """Rows per chunk: the smallest ``max_batch_size`` of the versions the route may pick
-        for a call naming no version (1 without batching); for a bulk call, at most their
-        ``dynamic_batching.bulk_max_batch_size`` (short bulk batches, see ``service.lanes``)."""
+    def _plan(self, name: str) -> ChunkPlan:
+        """Rows per chunk and chunks in flight (:func:`~gpuserve.service.apis.chunks.chunk_plan`)
+        for a call of model ``name`` naming no version: the versions its route may pick; a
+        bulk call's chunks are short (``dynamic_batching.bulk_chunk_rows``)."""
         model = self.service.manager.models.get(name)
         route = model.route if model is not None else None
         versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
-        sizes = [mv.config.max_batch_size for mv in versions]
-        if LANE.get() == "bulk":
-            sizes += [
-                mv.config.dynamic_batching.bulk_max_batch_size or mv.config.max_batch_size
-                for mv in versions
-            ]
-        return max(1, min(sizes)) if sizes else 1
+        configs = [mv.config for mv in versions]
+        return chunk_plan(configs, LANE.get() == "bulk", self.window)
 
 
 def _declares(config: ModelConfig, kind: Kind) -> bool:
