@@ -234,6 +234,7 @@ class InProcess:
 
     def closed_loop(self, jobs: list[Job], c: int) -> Level:
         from gpuserve.backends.causal_lm.params import SamplingParams
+        from gpuserve.config.generate import GenerateConfig
         from gpuserve.engine.generate.engine import DeltaSink, GenerationEngine
         from gpuserve.engine.generate.messages import GenerationDelta, GenerationRequest
 
@@ -273,7 +274,11 @@ class InProcess:
             for sink, delta in deltas:
                 sink.deliver(delta)
 
-        engine = GenerationEngine(self.model, self.max_running, 512, True, publish)
+        # the server's defaults: the same step policy as the served engine
+        slowdown = GenerateConfig().decode_slowdown_limit
+        engine = GenerationEngine(
+            self.model, self.max_running, 512, True, publish, decode_slowdown=slowdown
+        )
 
         def submit_next() -> None:
             with lock:
