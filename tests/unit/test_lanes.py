@@ -156,3 +156,60 @@ def test_bulk_calls_are_cut_into_short_chunks_with_more_of_them_in_flight():
     assert chunk_plan([live, small], bulk=True) == ChunkPlan(2, BULK_ROWS_IN_FLIGHT // 2)
     assert chunk_plan([small], bulk=True) == ChunkPlan(4, BULK_ROWS_IN_FLIGHT // 4)
     assert chunk_plan([config(max_batch_size=1)], bulk=True) == ChunkPlan(1, BULK_ROWS_IN_FLIGHT)
+
+
+class _Service:
+    """The inference service as serve_chunks uses it: admissions recorded in ``log``, each
+    chunk answered at once."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def admit_loaded(self, model, version, wire, probe, traceparent):
+        return self.admit(model, version, wire, probe, traceparent)
+
+    def admit(self, model, version, wire, probe, traceparent):
+        import types
+
+        self.log.append(f"chunk {wire}")
+        return types.SimpleNamespace(version="1")
+
+    def submit(self, admission):
+        import asyncio
+
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+@pytest.mark.parametrize("lane", ["interactive", "bulk"])
+def test_a_bulk_call_yields_the_event_loop_between_its_chunks(lane):
+    """A bulk call admits its chunks one per turn of the event loop, so a request arriving
+    meanwhile is admitted between them; an interactive call admits its window at once."""
+    import asyncio
+
+    from gpuserve.service.apis.chunks import CallState, serve_chunks
+    from gpuserve.service.lanes import LANE
+
+    log: list[str] = []
+
+    async def main() -> None:
+        async def other() -> None:
+            log.append("other")
+
+        token = LANE.set(lane)
+        try:
+            call = asyncio.ensure_future(
+                serve_chunks(_Service(log), "m", lambda i: i, 4, CallState(None), window=4)
+            )
+        finally:
+            LANE.reset(token)
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(other()))
+        await call
+
+    asyncio.run(main())
+    first_other = log.index("other")
+    if lane == "bulk":
+        assert first_other < 4, log  # let in before the call's window was all admitted
+    else:
+        assert first_other == 4, log

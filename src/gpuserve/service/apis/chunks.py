@@ -17,7 +17,10 @@ call into smaller ones, :func:`chunk_plan`); this module sends them:
    trace;
 4. when a chunk is refused or fails, the call fails with that error: chunks not yet queued
    are never sent, queued ones are dropped when their batch forms (they are not run for
-   nobody), and so are they when the client goes away.
+   nobody), and so are they when the client goes away;
+5. a bulk call (the ``bulk`` lane) yields the event loop after each chunk it admits: the
+   admission step (a text model's tokenisation) of its many small chunks never runs as one
+   burst ahead of interactive requests that arrived meanwhile.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpuserve.config import ModelConfig
-
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.service.inference import Admission, InferenceService, WireRequest
+from gpuserve.service.lanes import LANE
 
 #: Chunks of one call queued or running at once (see step 1 of the module docstring).
 WINDOW = 2
@@ -120,6 +123,7 @@ async def serve_chunks(
         GpuserveError: why a chunk was refused or failed (counted once, where it happened).
     """
     window = max(1, window)
+    bulk = LANE.get() == "bulk"
     admissions: list[Admission] = []
     responses: list[InferenceResponse | None] = [None] * count
     pending: deque[tuple[int, asyncio.Future[InferenceResponse]]] = deque()
@@ -140,6 +144,8 @@ async def serve_chunks(
                 sent += 1
                 if sent == 1 and on_first is not None:
                     on_first(admission)
+                if bulk:
+                    await asyncio.sleep(0)  # step 5: interactive requests go in between
             index, future = pending.popleft()
             responses[index] = await future
     except BaseException:
