@@ -70,6 +70,15 @@ def chunk_plan(configs: Sequence[ModelConfig], bulk: bool, window: int = WINDOW)
     return ChunkPlan(rows, max(window, BULK_ROWS_IN_FLIGHT // rows))
 
 
+def route_plan(service: InferenceService, name: str, window: int = WINDOW) -> ChunkPlan:
+    """The :func:`chunk_plan` of a call of model ``name`` naming no version: over the
+    versions its route may pick (default and canary), for the call's lane."""
+    model = service.manager.models.get(name)
+    route = model.route if model is not None else None
+    versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
+    return chunk_plan([mv.config for mv in versions], LANE.get() == "bulk", window)
+
+
 class CallState:
     """The state one call's chunks share: failing it drops its queued chunks (the
     ``probe`` each chunk's request carries)."""

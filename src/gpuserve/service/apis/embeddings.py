@@ -59,7 +59,7 @@ import numpy as np
 
 from gpuserve.engine.request import InferenceResponse
 from gpuserve.errors import BackendError, ConfigError, GpuserveError, ModelNotFoundError
-from gpuserve.service.apis.chunks import WINDOW, CallState, ChunkPlan, chunk_plan, serve_chunks
+from gpuserve.service.apis.chunks import WINDOW, CallState, route_plan, serve_chunks
 from gpuserve.service.apis.embedding_models import (
     COUNT_WORKERS,
     EmbeddingInputError,
@@ -70,7 +70,6 @@ from gpuserve.service.apis.embedding_models import (
     model_counter,
 )
 from gpuserve.service.inference import Admission, InferenceService, WireRequest
-from gpuserve.service.lanes import LANE
 
 __all__ = [
     "COUNT_WORKERS",
@@ -284,7 +283,7 @@ class EmbeddingsService:
         except GpuserveError as err:
             self.service.record_unrouted(call.model, None, err.reason)
             raise
-        plan = self._plan(call.model)
+        plan = route_plan(self.service, call.model, self.window)
         chunks = split_rows(call, plan.rows)
         # The token count overlaps the batches: started once the first chunk is queued
         # (every chunk runs on its version; a model whose admission step measured each
@@ -331,16 +330,6 @@ class EmbeddingsService:
             queue_s=max(r.timing.queue_s for r in responses),
             compute_s=max(r.timing.compute_s for r in responses),
         )
-
-    def _plan(self, name: str) -> ChunkPlan:
-        """Rows per chunk and chunks in flight (:func:`~gpuserve.service.apis.chunks.chunk_plan`)
-        for a call of model ``name`` naming no version: the versions its route may pick; a
-        bulk call's chunks are short (``dynamic_batching.bulk_chunk_rows``)."""
-        model = self.service.manager.models.get(name)
-        route = model.route if model is not None else None
-        versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
-        configs = [mv.config for mv in versions]
-        return chunk_plan(configs, LANE.get() == "bulk", self.window)
 
     def _count(
         self, admission: Admission, call: EmbeddingCall, spec: EmbeddingSpec

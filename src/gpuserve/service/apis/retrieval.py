@@ -41,10 +41,9 @@ import numpy as np
 from gpuserve.config import ModelConfig
 from gpuserve.engine.request import InferenceRequest, InferenceResponse
 from gpuserve.errors import BackendError, InvalidInputError, ModelNotFoundError
-from gpuserve.service.apis.chunks import WINDOW, CallState, ChunkPlan, chunk_plan, serve_chunks
+from gpuserve.service.apis.chunks import WINDOW, CallState, route_plan, serve_chunks
 from gpuserve.service.apis.embeddings import even_chunks
 from gpuserve.service.inference import InferenceService, WireRequest
-from gpuserve.service.lanes import LANE
 
 Kind = Literal["rerank", "classification", "sparse"]
 KINDS: tuple[Kind, ...] = ("rerank", "classification", "sparse")
@@ -257,7 +256,7 @@ class RetrievalService:
         lengths = [len(t) for t in texts]
         if pairs is not None:
             lengths = [n + len(p) for n, p in zip(lengths, pairs, strict=True)]
-        plan = self._plan(model)
+        plan = route_plan(self.service, model, self.window)
         chunks = chunk_rows(lengths, plan.rows)
 
         def chunk(index: int) -> WireRequest:
@@ -284,16 +283,6 @@ class RetrievalService:
             queue_s=max(r.timing.queue_s for r in done),
             compute_s=max(r.timing.compute_s for r in done),
         )
-
-    def _plan(self, name: str) -> ChunkPlan:
-        """Rows per chunk and chunks in flight (:func:`~gpuserve.service.apis.chunks.chunk_plan`)
-        for a call of model ``name`` naming no version: the versions its route may pick; a
-        bulk call's chunks are short (``dynamic_batching.bulk_chunk_rows``)."""
-        model = self.service.manager.models.get(name)
-        route = model.route if model is not None else None
-        versions = [mv for mv in ((route.default, route.canary) if route is not None else ()) if mv]
-        configs = [mv.config for mv in versions]
-        return chunk_plan(configs, LANE.get() == "bulk", self.window)
 
 
 def _declares(config: ModelConfig, kind: Kind) -> bool:
