@@ -24,9 +24,17 @@ class GpuserveError(Exception):
 
 
 class InvalidInputError(GpuserveError):
-    """The request is malformed or does not match the model's declared inputs (HTTP 400)."""
+    """The request is malformed or does not match the model's declared inputs (HTTP 400).
+
+    Attributes:
+        param: The request field at fault (OpenAI's error ``param``), or None.
+    """
 
     reason = "invalid"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TooManyInputsError(InvalidInputError):

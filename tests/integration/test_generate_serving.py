@@ -180,29 +180,50 @@ def test_token_id_prompt_and_stop_token(client: Any, reference: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "status", "needle"),
+    ("kwargs", "status", "needle", "param"),
     [
-        ({"model": "chat", "messages": []}, 400, "messages"),
-        ({"model": "chat", "messages": MESSAGES, "temperature": 5}, 400, "temperature"),
-        ({"model": "chat", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "chat", "messages": MESSAGES, "max_tokens": 100000}, 400, "context length"),
-        ({"model": "chat", "messages": MESSAGES, "n": 1000}, 400, "'n'"),
+        ({"model": "chat", "messages": []}, 400, "messages", "messages"),
+        ({"model": "chat", "messages": "hi"}, 400, "'messages' must be", "messages"),
+        ({"model": 123, "messages": MESSAGES}, 400, "'model' must be", "model"),
+        (
+            {"model": "chat", "messages": MESSAGES, "temperature": 5},
+            400,
+            "temperature",
+            "temperature",
+        ),
+        ({"model": "chat", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        (
+            {"model": "chat", "messages": MESSAGES, "max_tokens": 100000},
+            400,
+            "context length",
+            None,
+        ),
+        ({"model": "chat", "messages": MESSAGES, "n": 1000}, 400, "'n'", "n"),
         (
             {"model": "chat", "messages": [{"role": "wizard", "content": "x"}]},
             400,
             "messages[0].role",
+            "messages",
         ),
-        ({"model": "chat", "messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools"),
-        ({"model": "simple", "messages": MESSAGES}, 400, "does not generate text"),
-        ({"model": "nope", "messages": MESSAGES}, 404, "nope"),
+        (
+            {"model": "chat", "messages": MESSAGES, "tools": [{"type": "function"}]},
+            400,
+            "tools",
+            "tools",
+        ),
+        ({"model": "simple", "messages": MESSAGES}, 400, "does not generate text", None),
+        ({"model": "nope", "messages": MESSAGES}, 404, "nope", None),
     ],
 )
 def test_bad_calls_get_the_status_and_name_the_field(
-    server: Any, kwargs: dict[str, Any], status: int, needle: str
+    server: Any, kwargs: dict[str, Any], status: int, needle: str, param: str | None
 ) -> None:
     response = httpx.post(f"{server.url}/v1/chat/completions", json=kwargs, timeout=30)
     assert response.status_code == status, response.text
-    assert needle in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert needle in error["message"]
+    if param is not None:
+        assert error["param"] == param  # OpenAI's field for the request field at fault
 
 
 def test_models_lists_the_generative_model(client: Any) -> None:

@@ -100,21 +100,24 @@ def parse_generation(document: dict[str, Any], kind: Kind) -> GenerationBody:
     """
     model = document.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidInputError("'model' is required: the name of a generative model")
+        problem = "is required" if model is None else f"must be a non-empty string, got {model!r}"
+        raise InvalidInputError(f"'model' {problem}: the name of a generative model", param="model")
     _refuse_unsupported(document, kind)
     sampling = {key: document[key] for key in _SAMPLING if document.get(key) is not None}
     n = document.get("n")
     n = 1 if n is None else n
     if type(n) is not int or not 1 <= n <= MAX_N:
-        raise InvalidInputError(f"'n' must be an integer in [1, {MAX_N}], got {n!r}")
+        raise InvalidInputError(f"'n' must be an integer in [1, {MAX_N}], got {n!r}", param="n")
     stream = _flag(document, "stream")
     options = document.get("stream_options")
     include_usage = False
     if options is not None:
         if not isinstance(options, dict):
-            raise InvalidInputError("'stream_options' must be an object")
+            raise InvalidInputError("'stream_options' must be an object", param="stream_options")
         if not stream:
-            raise InvalidInputError("'stream_options' is only allowed with 'stream': true")
+            raise InvalidInputError(
+                "'stream_options' is only allowed with 'stream': true", param="stream_options"
+            )
         include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     body = GenerationBody(kind, model, [], None, sampling, n, stream, include_usage)
     if kind == "completion":
@@ -136,10 +139,13 @@ def parse_generation(document: dict[str, Any], kind: Kind) -> GenerationBody:
         if top is not None:
             if type(top) is not int or not 0 <= top <= 20:
                 raise InvalidInputError(
-                    f"'top_logprobs' must be an integer in [0, 20], got {top!r}"
+                    f"'top_logprobs' must be an integer in [0, 20], got {top!r}",
+                    param="top_logprobs",
                 )
             if not body.logprobs:
-                raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+                raise InvalidInputError(
+                    "'top_logprobs' needs 'logprobs': true", param="top_logprobs"
+                )
             body.top_logprobs = top
         body.id = f"chatcmpl-{uuid.uuid4().hex}"
     return body
@@ -195,10 +201,14 @@ def _refuse_unsupported(document: dict[str, Any], kind: Kind) -> None:
     for name in ("tools", "functions", "logit_bias", "suffix"):
         value = document.get(name)
         if value not in (None, [], {}, ""):
-            raise InvalidInputError(f"'{name}' is not supported by this server; leave it out")
+            raise InvalidInputError(
+                f"'{name}' is not supported by this server; leave it out", param=name
+            )
     tool_choice = document.get("tool_choice")
     if tool_choice not in (None, "none"):
-        raise InvalidInputError("'tool_choice' is not supported (no tools): leave it out")
+        raise InvalidInputError(
+            "'tool_choice' is not supported (no tools): leave it out", param="tool_choice"
+        )
     response_format = document.get("response_format")
     if response_format is not None and (
         not isinstance(response_format, dict) or response_format.get("type") != "text"
@@ -208,11 +218,17 @@ def _refuse_unsupported(document: dict[str, Any], kind: Kind) -> None:
         )
     best_of = document.get("best_of")
     if best_of is not None and best_of != document.get("n", 1):
-        raise InvalidInputError("'best_of' is not supported unless it equals 'n'; leave it out")
+        raise InvalidInputError(
+            "'best_of' is not supported unless it equals 'n'; leave it out", param="best_of"
+        )
     if kind == "completion" and document.get("messages") is not None:
-        raise InvalidInputError("'messages' belongs to /v1/chat/completions; send 'prompt' here")
+        raise InvalidInputError(
+            "'messages' belongs to /v1/chat/completions; send 'prompt' here", param="messages"
+        )
     if kind == "chat" and document.get("prompt") is not None:
-        raise InvalidInputError("'prompt' belongs to /v1/completions; send 'messages' here")
+        raise InvalidInputError(
+            "'prompt' belongs to /v1/completions; send 'messages' here", param="prompt"
+        )
 
 
 def _flag(document: dict[str, Any], name: str, shown: str | None = None) -> bool:
@@ -233,7 +249,8 @@ def _prompts(value: Any) -> list[str | list[int]]:
             return [_token_ids(value, "prompt")]
         if len(value) > MAX_PROMPTS:
             raise InvalidInputError(
-                f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} per call"
+                f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS} per call",
+                param="prompt",
             )
         out: list[str | list[int]] = []
         for i, item in enumerate(value):
@@ -243,11 +260,12 @@ def _prompts(value: Any) -> list[str | list[int]]:
                 out.append(_token_ids(item, f"prompt[{i}]"))
             else:
                 raise InvalidInputError(
-                    f"'prompt[{i}]' must be a string or a non-empty list of token ids"
+                    f"'prompt[{i}]' must be a string or a non-empty list of token ids",
+                    param="prompt",
                 )
         return out
     raise InvalidInputError(
-        "'prompt' is required: a string, a list of token ids, or a list of either"
+        "'prompt' is required: a string, a list of token ids, or a list of either", param="prompt"
     )
 
 
@@ -261,15 +279,21 @@ def _token_ids(ids: list[int], name: str) -> list[int]:
 def _messages(value: Any) -> list[dict[str, Any]]:
     """``messages``: role and text content of each (text parts joined)."""
     if not isinstance(value, list) or not value:
-        raise InvalidInputError("'messages' is required: a non-empty list of message objects")
+        problem = "is required" if value is None else f"must be a non-empty list, got {value!r:.40}"
+        raise InvalidInputError(
+            f"'messages' {problem}: a list of message objects", param="messages"
+        )
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            raise InvalidInputError(f"'messages[{i}]' must be an object with role and content")
+            raise InvalidInputError(
+                f"'messages[{i}]' must be an object with role and content", param="messages"
+            )
         role = message.get("role")
         if role not in _ROLES:
             raise InvalidInputError(
-                f"'messages[{i}].role' must be one of {', '.join(_ROLES)}, got {role!r}"
+                f"'messages[{i}].role' must be one of {', '.join(_ROLES)}, got {role!r}",
+                param="messages",
             )
         content = message.get("content")
         if content is None and role == "assistant":
@@ -278,7 +302,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             content = _text_parts(content, i)
         if not isinstance(content, str):
             raise InvalidInputError(
-                f"'messages[{i}].content' must be a string or a list of text parts"
+                f"'messages[{i}].content' must be a string or a list of text parts",
+                param="messages",
             )
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
@@ -295,7 +320,9 @@ def _text_parts(parts: list[Any], index: int) -> str:
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidInputError(f"'messages[{index}].content[{j}].text' must be a string")
+            raise InvalidInputError(
+                f"'messages[{index}].content[{j}].text' must be a string", param="messages"
+            )
         texts.append(text)
     return "".join(texts)
 

@@ -134,7 +134,8 @@ def _describe(value: object) -> str:
 
 
 def _fail(field: str, expected: str, value: object) -> InvalidInputError:
-    return InvalidInputError(f"{field} must be {expected}, got {_describe(value)}")
+    root = field.split("[", 1)[0].split(".", 1)[0]
+    return InvalidInputError(f"{field} must be {expected}, got {_describe(value)}", param=root)
 
 
 def _number(
