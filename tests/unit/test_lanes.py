@@ -151,9 +151,10 @@ def test_no_batch_carries_more_than_bulk_max_batch_size_bulk_rows():
 def test_bulk_calls_are_cut_into_short_chunks_with_more_of_them_in_flight():
     live = config(max_batch_size=64)
     assert chunk_plan([live], bulk=False) == ChunkPlan(64, WINDOW)
-    assert chunk_plan([live], bulk=True) == ChunkPlan(2, BULK_ROWS_IN_FLIGHT // 2)
+    assert chunk_plan([live], bulk=True) == ChunkPlan(1, BULK_ROWS_IN_FLIGHT)  # the default
+    two = config(max_batch_size=64, bulk_chunk_rows=2)
     small = config(max_batch_size=64, bulk_chunk_rows=8, bulk_max_batch_size=4)
-    assert chunk_plan([live, small], bulk=True) == ChunkPlan(2, BULK_ROWS_IN_FLIGHT // 2)
+    assert chunk_plan([two, small], bulk=True) == ChunkPlan(2, BULK_ROWS_IN_FLIGHT // 2)
     assert chunk_plan([small], bulk=True) == ChunkPlan(4, BULK_ROWS_IN_FLIGHT // 4)
     assert chunk_plan([config(max_batch_size=1)], bulk=True) == ChunkPlan(1, BULK_ROWS_IN_FLIGHT)
 

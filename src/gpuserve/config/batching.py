@@ -78,7 +78,7 @@ class DynamicBatchingConfig(_Strict):
     max_batch_tokens: int | None = Field(default=None, ge=1)
     bulk_max_queue_size: int = Field(default=4096, ge=1)
     bulk_max_batch_size: int | None = Field(default=None, ge=1)
-    bulk_chunk_rows: int = Field(default=2, ge=1)
+    bulk_chunk_rows: int = Field(default=1, ge=1)
     bulk_max_compute_us: int = Field(default=5000, ge=0, le=60_000_000)
     bulk_quiet_us: int = Field(default=1_000_000, ge=0, le=3_600_000_000)
 
