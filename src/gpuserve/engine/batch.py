@@ -1,4 +1,5 @@
-"""The engine's units of work: a queued request, a batch of them, and what an instance reports.
+"""The engine's units of work: a queued request, a batch of them, and what an instance reports;
+and the protocol of the queues that form batches (:class:`Batcher`).
 
 These are plain typed records passed between the scheduling core (event-loop thread) and the
 instances (their own threads); none of them does anything. Every time is seconds on the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -128,3 +130,78 @@ class BatchResult:
     prepared: object = None
     raw: object = None
     rows: Sequence[RowContext] | None = None
+
+
+class Batcher(Protocol):
+    """The queue and batch-formation policy a scheduling core drives (one per version).
+
+    Implemented by :class:`DynamicBatcher` and by
+    :class:`~gpuserve.engine.sequence.batcher.SequenceBatcher`; each is built complete from the
+    version's config and capabilities (token budget, padding, unpadded), nothing written
+    afterwards but the adaptive policy's two live controls (``max_queue_delay_s``,
+    ``row_cap``). Times are seconds on the core's clock.
+    """
+
+    max_queue_delay_s: float
+    row_cap: int | None
+    #: Whether a batch may be led by a bulk request now (an idle instance takes it).
+    bulk_may_lead: bool
+
+    def __len__(self) -> int:
+        """Requests queued."""
+        ...
+
+    def lane_queued(self) -> tuple[int, int]:
+        """Rows queued in each lane: (interactive, bulk)."""
+        ...
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows of the queued requests."""
+        ...
+
+    @property
+    def has_deadlines(self) -> bool:
+        """Whether a queued request has a queue deadline (``expire`` has work)."""
+        ...
+
+    @property
+    def has_cancelled(self) -> bool:
+        """Whether requests left the queue as cancelled (``take_cancelled`` has work)."""
+        ...
+
+    def add(self, item: Pending) -> None:
+        """Queue ``item``; raises OverloadedError (queue full) or InvalidInputError."""
+        ...
+
+    def remove(self, item: Pending) -> bool:
+        """Take a queued ``item`` out (its caller went away); False when not queued."""
+        ...
+
+    def expire(self, now: float) -> list[Pending]:
+        """Take out the queued requests whose deadline passed."""
+        ...
+
+    def take_cancelled(self) -> list[Pending]:
+        """The requests found cancelled (client gone) since the last call."""
+        ...
+
+    def next_batch(self, now: float) -> Batch | None:
+        """The next batch due at ``now``, or None."""
+        ...
+
+    def next_wakeup(self, can_dispatch: bool) -> float | None:
+        """When to ask again if nothing happens (None: not before the next event)."""
+        ...
+
+    def instance_freed(self, now: float, service_s: float, rows: int) -> None:
+        """A batch of ``rows`` finished after ``service_s`` seconds."""
+        ...
+
+    def ran(self, result: BatchResult, now: float) -> None:
+        """A batch finished (or failed): settle what the batcher keeps per request."""
+        ...
+
+    def drain(self) -> list[Pending]:
+        """Take out every queued request (the version unloads)."""
+        ...

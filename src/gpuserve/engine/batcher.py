@@ -53,7 +53,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.bulk_policy import BulkPolicy
@@ -63,85 +63,10 @@ from gpuserve.errors import OverloadedError
 if TYPE_CHECKING:
     from gpuserve.config import ModelConfig
 
-# Batch and Pending live in engine/batch.py
+# Batch and Pending live in engine/batch.py, with the Batcher protocol this fulfils
 __all__ = ["Batch", "DynamicBatcher", "Pending", "batches_streams"]
 
 _MIN_REGATHER_S = 0.001
-
-
-class Batcher(Protocol):
-    """The queue and batch-formation policy a scheduling core drives (one per version).
-
-    Implemented by :class:`DynamicBatcher` and by
-    :class:`~gpuserve.engine.sequence.batcher.SequenceBatcher`; each is built complete from the
-    version's config and capabilities (token budget, padding, unpadded), nothing written
-    afterwards but the adaptive policy's two live controls (``max_queue_delay_s``,
-    ``row_cap``). Times are seconds on the core's clock.
-    """
-
-    max_queue_delay_s: float
-    row_cap: int | None
-    #: Whether a batch may be led by a bulk request now (an idle instance takes it).
-    bulk_may_lead: bool
-
-    def __len__(self) -> int:
-        """Requests queued."""
-        ...
-
-    def lane_queued(self) -> tuple[int, int]:
-        """Rows queued in each lane: (interactive, bulk)."""
-        ...
-
-    @property
-    def queued_rows(self) -> int:
-        """Rows of the queued requests."""
-        ...
-
-    @property
-    def has_deadlines(self) -> bool:
-        """Whether a queued request has a queue deadline (``expire`` has work)."""
-        ...
-
-    @property
-    def has_cancelled(self) -> bool:
-        """Whether requests left the queue as cancelled (``take_cancelled`` has work)."""
-        ...
-
-    def add(self, item: Pending) -> None:
-        """Queue ``item``; raises OverloadedError (queue full) or InvalidInputError."""
-        ...
-
-    def remove(self, item: Pending) -> bool:
-        """Take a queued ``item`` out (its caller went away); False when not queued."""
-        ...
-
-    def expire(self, now: float) -> list[Pending]:
-        """Take out the queued requests whose deadline passed."""
-        ...
-
-    def take_cancelled(self) -> list[Pending]:
-        """The requests found cancelled (client gone) since the last call."""
-        ...
-
-    def next_batch(self, now: float) -> Batch | None:
-        """The next batch due at ``now``, or None."""
-        ...
-
-    def next_wakeup(self, can_dispatch: bool) -> float | None:
-        """When to ask again if nothing happens (None: not before the next event)."""
-        ...
-
-    def instance_freed(self, now: float, service_s: float, rows: int) -> None:
-        """A batch of ``rows`` finished after ``service_s`` seconds."""
-        ...
-
-    def ran(self, result: BatchResult, now: float) -> None:
-        """A batch finished (or failed): settle what the batcher keeps per request."""
-        ...
-
-    def drain(self) -> list[Pending]:
-        """Take out every queued request (the version unloads)."""
-        ...
 
 
 def batches_streams(config: ModelConfig) -> bool:

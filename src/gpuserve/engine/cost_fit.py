@@ -17,7 +17,7 @@ class LinearCost:
         decay: Weight kept by older batches at each new one (0-1).
     """
 
-    __slots__ = ("decay", "samples", "_s0", "_sx", "_sy", "_sxx", "_sxy")
+    __slots__ = ("_s0", "_sx", "_sxx", "_sxy", "_sy", "decay", "samples")
 
     def __init__(self, decay: float = 0.95) -> None:
         if not 0 < decay < 1:

@@ -57,8 +57,8 @@ from gpuserve.config import ModelConfig
 from gpuserve.engine import tracing
 from gpuserve.engine.adaptive import AdaptiveBatching
 from gpuserve.engine.assembly import request_rows, shape_key
-from gpuserve.engine.batch import Batch, BatchResult, Pending
-from gpuserve.engine.batcher import Batcher, DynamicBatcher
+from gpuserve.engine.batch import Batch, Batcher, BatchResult, Pending
+from gpuserve.engine.batcher import DynamicBatcher
 from gpuserve.engine.checks import priority_level
 from gpuserve.engine.inflight import InFlight, InFlightTable, W, Worker
 from gpuserve.engine.lengths import default_batch_tokens
