@@ -76,12 +76,30 @@ class RowContext:
 NO_CONTEXT = RowContext()
 
 
+def context_of(
+    request_id: str,
+    parameters: Mapping[str, Any],
+    awaited_until: float | None = None,
+    probe: Callable[[], bool] | None = None,
+    trace: Any = None,
+) -> RowContext:
+    """The context of a request with these parameters: its sequence id and flags read from
+    them (``sequence_id``, ``sequence_start``, ``sequence_end``)."""
+    correlation_id: int | str = NO_ID
+    flags = 0
+    if parameters:
+        correlation_id = sequence_id_of(parameters) or NO_ID
+        flags = sequence_flags(parameters)
+    return RowContext(request_id, correlation_id, flags, parameters, awaited_until, probe, trace)
+
+
 __all__ = [
     "NO_CONTEXT",
     "NO_ID",
     "SEQUENCE_END",
     "SEQUENCE_START",
     "RowContext",
+    "context_of",
     "sequence_flags",
     "sequence_id_of",
 ]

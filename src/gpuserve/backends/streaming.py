@@ -36,13 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gpuserve.backends.row_context import (
-    NO_CONTEXT,
-    NO_ID,
-    RowContext,
-    sequence_flags,
-    sequence_id_of,
-)
+from gpuserve.backends.row_context import NO_CONTEXT, RowContext, context_of
 
 
 class ResponseSink(Protocol):
@@ -98,14 +92,7 @@ class StreamCall:
 def sink_context(sink: ResponseSink) -> RowContext:
     """The context of a request known only by its sink (``Backend.stream``): its id,
     parameters (its sequence id and flags among them) and cancellation."""
-    parameters = sink.parameters
-    return RowContext(
-        sink.request_id,
-        sequence_id_of(parameters) or NO_ID,
-        sequence_flags(parameters),
-        parameters,
-        probe=sink.is_cancelled,
-    )
+    return context_of(sink.request_id, sink.parameters, probe=sink.is_cancelled)
 
 
 def run_generator(responses: Iterator[dict[str, Any]], sink: ResponseSink) -> None:

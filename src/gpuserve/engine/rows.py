@@ -17,29 +17,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from gpuserve.backends.row_context import (
-    NO_ID,
-    RowContext,
-    sequence_flags,
-    sequence_id_of,
-)
+from gpuserve.backends.row_context import RowContext
+from gpuserve.backends.row_context import context_of as row_context
 from gpuserve.engine.batch import Pending
 from gpuserve.engine.request import InferenceRequest
 
 
 def context_of(request: InferenceRequest) -> RowContext:
     """The context of ``request``'s rows."""
-    parameters = request.parameters
-    correlation_id: int | str = NO_ID
-    flags = 0
-    if parameters:
-        correlation_id = sequence_id_of(parameters) or NO_ID
-        flags = sequence_flags(parameters)
-    return RowContext(
+    return row_context(
         request.id or "",
-        correlation_id,
-        flags,
-        parameters,
+        request.parameters,
         request.awaited_until,
         request.is_cancelled,
         request.trace,
