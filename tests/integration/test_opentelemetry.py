@@ -113,7 +113,7 @@ def test_http_traceparent_continues_the_clients_trace(server, receiver):
         timeout=30,
     )
     assert answer.status_code == 200, answer.text
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    spans = receiver.wait_for_request(trace_id, client_span)
     mine = of_trace(spans, trace_id)
     (root,) = [s for s in mine if s["name"] == "add_one"]
     assert root["parent"] == client_span  # the client's span is its parent: one trace
@@ -129,7 +129,7 @@ def test_grpc_metadata_traceparent_continues_the_clients_trace(server, receiver)
     tensor = grpcclient.InferInput("X", [2, 4], "FP32")
     tensor.set_data_from_numpy(np.arange(8, dtype=np.float32).reshape(2, 4))
     client.infer("double", [tensor], request_id="grpc-1", headers={"traceparent": header})
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    spans = receiver.wait_for_request(trace_id, client_span)
     mine = of_trace(spans, trace_id)
     (root,) = [s for s in mine if s["name"] == "double"]
     assert root["parent"] == client_span
@@ -146,7 +146,7 @@ def test_an_ensembles_steps_are_child_spans(server, receiver):
     )
     assert answer.status_code == 200, answer.text
     # the ensemble's span + 4 stages, and 3 steps with 4 stages each
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 20)
+    spans = receiver.wait_for_request(trace_id, client_span)
     mine = of_trace(spans, trace_id)
     (root,) = [s for s in mine if s["name"] == "pipeline"]
     assert root["parent"] == client_span
@@ -161,7 +161,7 @@ def test_an_ensembles_steps_are_child_spans(server, receiver):
 
 @pytest.mark.parametrize("caller", ["bls_add", "pb_add"])
 def test_a_bls_call_is_a_child_span(server, receiver, caller):
-    header, trace_id, _ = traceparent()
+    header, trace_id, client_span = traceparent()
     answer = httpx.post(
         f"{server.url}/v2/models/{caller}/infer",
         json=body(caller, f"{caller}-1"),
@@ -169,7 +169,7 @@ def test_a_bls_call_is_a_child_span(server, receiver, caller):
         timeout=30,
     )
     assert answer.status_code == 200, answer.text
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 10)
+    spans = receiver.wait_for_request(trace_id, client_span)
     mine = of_trace(spans, trace_id)
     (root,) = [s for s in mine if s["name"] == caller]
     calls = [s for s in mine if s["name"] == "add_one"]
@@ -189,12 +189,12 @@ def test_requests_without_a_trace_context_are_sampled_at_the_rate(server, receiv
             assert answer.status_code == 200, answer.text
         # A traced marker last: spans are exported in the order they end, so once it has
         # arrived every sampled request before it has too.
-        header, trace_id, _ = traceparent()
+        header, trace_id, client_span = traceparent()
         answer = http.post(
             "/v2/models/combine/infer", json=rate_body("marker"), headers={"traceparent": header}
         )
         assert answer.status_code == 200
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    spans = receiver.wait_for_request(trace_id, client_span)
     sampled = {
         s["attributes"]["request_id"]
         for s in spans
@@ -244,7 +244,7 @@ def test_a_decoupled_stream_over_grpc_is_one_span_ended_with_its_last_response(s
         assert results.get(timeout=30) is None
     client.stop_stream()
     client.close()
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    spans = receiver.wait_for_request(trace_id, client_span)
     mine = of_trace(spans, trace_id)
     (root,) = [s for s in mine if s["name"] == "capped"]
     assert root["parent"] == client_span and root["status"] != 2
@@ -261,7 +261,7 @@ def test_generate_extension_continues_the_trace(server, receiver):
         timeout=30,
     )
     assert answer.status_code == 200, answer.text
-    spans = receiver.wait_for(lambda got: len(of_trace(got, trace_id)) >= 5)
+    spans = receiver.wait_for_request(trace_id, client_span)
     (root,) = [s for s in of_trace(spans, trace_id) if s["name"] == "capped"]
     assert root["parent"] == client_span
 
