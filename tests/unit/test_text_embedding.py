@@ -19,6 +19,8 @@ from gpuserve.backends import cpu_features
 from gpuserve.backends.base import LoadContext
 from gpuserve.backends.loader import import_module_from_path
 from gpuserve.config import ModelConfig, default_model_repository, load_model_config
+from gpuserve.models import text_embedding
+from gpuserve.models.execution_choice import ExecutionTimes
 from gpuserve.models.sentence_embedding import (
     SentenceEmbedder,
     decode_texts,
@@ -221,9 +223,22 @@ def test_default_model_dir_has_the_files() -> None:
 # --- execution: auto / torch / onnxruntime -----------------------------------------------------
 
 
-def test_model_execution_auto_is_onnxruntime_on_cpu_and_equals_torch(model: Any) -> None:
+def measured(ort_ms: list[float], torch_ms: list[float]):
+    """A stand-in for the load's timing of both executions (batches of 2, 4, 8, 16 rows)."""
+    times = ExecutionTimes(
+        (2, 4, 8, 16), tuple(t / 1e3 for t in ort_ms), tuple(t / 1e3 for t in torch_ms)
+    )
+    return lambda embedder: times
+
+
+def test_model_execution_auto_is_onnxruntime_on_cpu_and_equals_torch(monkeypatch) -> None:
     pytest.importorskip("onnxruntime")
-    assert model.embedder.execution == "onnxruntime"
+    # a CPU where ONNX Runtime is ahead at every batch size (measured so on an AVX2 core)
+    monkeypatch.setattr(
+        text_embedding, "measured_times", measured([10, 15, 25, 45], [12, 18, 30, 50])
+    )
+    model = make_model()
+    assert model.embedder.execution == "onnxruntime" and model.embedder.torch_from_rows is None
     assert model.unpadded_batches is True  # any mix of lengths: sub-batches of similar ones
     on_torch = make_model(execution="torch")
     assert on_torch.embedder.execution == "torch" and on_torch.unpadded_batches is True
@@ -239,6 +254,32 @@ def test_model_execution_auto_is_onnxruntime_on_cpu_and_equals_torch(model: Any)
     assert all(p.is_meta for p in model.embedder.encoder.parameters())
     assert not any(p.is_meta for p in on_torch.embedder.encoder.parameters())
     assert model.embedder.dimension == 384
+
+
+def test_model_execution_auto_runs_large_batches_on_torch_where_it_is_faster(
+    monkeypatch, caplog
+) -> None:
+    pytest.importorskip("onnxruntime")
+    # a CPU where torch packed is ahead from 8 rows (measured so on a core with AMX)
+    times = measured([16.2, 23.1, 41.2, 71.3], [16.7, 23.0, 34.5, 59.0])
+    monkeypatch.setattr(text_embedding, "measured_times", times)
+    with caplog.at_level("INFO"):
+        model = make_model()
+    assert model.embedder.execution == "onnxruntime" and model.embedder.torch_from_rows == 8
+    assert "2 rows 16.2/16.7 ms, 4 rows 23.1/23.0 ms, 8 rows 41.2/34.5 ms" in caplog.text
+    assert "-> torch from 8 rows" in caplog.text and "batches of 8+ rows on torch" in caplog.text
+    assert not any(p.is_meta for p in model.embedder.encoder.parameters())  # kept for torch
+    many = (SENTENCES * 3)[:9]
+    assert model.preprocess({"TEXT": text_tensor(many)}).packed_ids is not None
+    assert model.preprocess({"TEXT": text_tensor(SENTENCES)}).packed_ids is None
+    ref = run_hooks(make_model(execution="torch"), many)
+    np.testing.assert_allclose(run_hooks(model, many), ref, atol=1e-5)
+    np.testing.assert_allclose(run_hooks(model, SENTENCES), ref[:4], atol=1e-5)
+    # asked for by name, ONNX Runtime runs every batch and nothing is timed
+    monkeypatch.setattr(text_embedding, "measured_times", None)
+    only = make_model(execution="onnxruntime")
+    assert only.embedder.torch_from_rows is None
+    assert all(p.is_meta for p in only.embedder.encoder.parameters())
 
 
 def test_release_torch_weights_needs_onnxruntime() -> None:

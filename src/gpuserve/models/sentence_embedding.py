@@ -82,6 +82,8 @@ class TokenizedBatch:
         packed_ids: int64 [T], the real tokens of every row back to back, when the batch is
             to run unpadded (see :attr:`SentenceEmbedder.unpadded`); else None.
         lengths: Tokens per row (with ``packed_ids``), else empty.
+        on_torch: On an embedder with ONNX Runtime, the batch runs on torch instead (see
+            :attr:`SentenceEmbedder.torch_from_rows`).
     """
 
     input_ids: torch.Tensor
@@ -89,6 +91,7 @@ class TokenizedBatch:
     padded: bool
     packed_ids: torch.Tensor | None = None
     lengths: tuple[int, ...] = ()
+    on_torch: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -127,6 +130,10 @@ class SentenceEmbedder:
         self.max_seq_len = max_seq_len
         self.unpadded = True
         self.onnxruntime: OrtSession | None = None
+        #: With ONNX Runtime: batches of at least this many rows run on torch (packed), the
+        #: rest on ONNX Runtime; None: every batch on ONNX Runtime. Set at load from measured
+        #: times (:mod:`gpuserve.models.execution_choice`).
+        self.torch_from_rows: int | None = None
         self._pin = device.type == "cuda"
         self._truncator: PrefixTruncator | None = None
 
@@ -182,6 +189,7 @@ class SentenceEmbedder:
         """
         if self.onnxruntime is None:
             raise RuntimeError("release_torch_weights: the embedder runs on torch")
+        self.torch_from_rows = None
         self.encoder.to("meta")
 
     @classmethod
@@ -235,15 +243,17 @@ class SentenceEmbedder:
         ids = torch.tensor([e.ids for e in encodings], dtype=torch.int64)
         mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.int64)
         padded = not bool(mask.all())
-        if padded and self.unpadded and self.onnxruntime is None:
+        split = self.torch_from_rows
+        on_torch = self.onnxruntime is not None and split is not None and len(encodings) >= split
+        if padded and self.unpadded and (self.onnxruntime is None or on_torch):
             packed = ids[mask.bool()]
             lengths = tuple(int(n) for n in mask.sum(dim=1).tolist())
             if self._pin:
                 packed = packed.pin_memory()
-            return TokenizedBatch(ids, mask, padded, packed, lengths)
+            return TokenizedBatch(ids, mask, padded, packed, lengths, on_torch)
         if self._pin:
             ids, mask = ids.pin_memory(), mask.pin_memory()
-        return TokenizedBatch(ids, mask, padded)
+        return TokenizedBatch(ids, mask, padded, on_torch=on_torch)
 
     def truncator(self) -> PrefixTruncator:
         """The truncator of the admission step (:mod:`gpuserve.text.truncation`): cuts
@@ -278,7 +288,7 @@ class SentenceEmbedder:
         """
         if batch.batch_size == 0:
             return torch.zeros((0, self.dimension), dtype=torch.float32, device=self.device)
-        if self.onnxruntime is not None:
+        if self.onnxruntime is not None and not batch.on_torch:
             mask_np = batch.attention_mask.numpy()
             lengths = mask_np.sum(axis=1).tolist()
             return torch.from_numpy(

@@ -13,7 +13,11 @@ hook API. Parameters (``config.yaml``):
     execution: ``auto`` (default), ``torch`` or ``onnxruntime``. ``auto`` runs an fp32
         model on the CPU on ONNX Runtime when ``onnxruntime`` and ``onnx`` are installed
         (the ``onnx`` extra; same results within 3e-7, see :mod:`gpuserve.models.bert_onnx`)
-        and on torch otherwise (GPUs, fp16/bf16). ``int8`` runs on ONNX Runtime only.
+        and on torch otherwise (GPUs, fp16/bf16). ``int8`` runs on ONNX Runtime only. With
+        ``auto`` on ONNX Runtime (fp32, unpadded), both executions are timed at load on
+        sample batches (about 1 s) and batches from the size where torch packed is faster
+        run on torch (:mod:`gpuserve.models.execution_choice`; the torch weights then stay
+        loaded, 90 MB for all-MiniLM-L6-v2); ``onnxruntime`` runs every batch there.
     int8_scheme: ``blockwise`` (default) or ``dynamic``: how ``precision: int8`` quantises
         (see :mod:`gpuserve.models.bert_onnx_int8`).
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -40,6 +45,7 @@ from gpuserve.backends.cpu_features import require_cpu_precision
 from gpuserve.models.bert_onnx import cache_root
 from gpuserve.models.bert_onnx_int8 import INT8_SCHEMES
 from gpuserve.models.embedding_precision import check_precision
+from gpuserve.models.execution_choice import ExecutionTimes, measure_executions, torch_from_rows
 from gpuserve.models.sentence_embedding import SentenceEmbedder
 
 logger = logging.getLogger(__name__)
@@ -154,12 +160,17 @@ def _place(
             # auto: ONNX Runtime is an optimisation; torch serves the same embeddings
             logger.warning("text_embedding stays on torch: ONNX Runtime unusable (%s)", err)
         else:
-            embedder.release_torch_weights()
+            split = None
+            if execution == "auto" and scheme is None and embedder.unpadded:
+                split = choose_split(embedder)
+            if split is None:
+                embedder.release_torch_weights()
             logger.info(
-                "text_embedding on ONNX Runtime (%s, %d threads, %s)",
+                "text_embedding on ONNX Runtime (%s, %d threads, %s)%s",
                 precision if scheme is None else f"int8 {scheme}",
                 threads,
                 session.source,
+                "" if split is None else f", batches of {split}+ rows on torch packed",
             )
     elif precision == "int8":
         raise ValueError(
@@ -171,3 +182,51 @@ def _place(
         if execution == "auto" and chosen == "torch" and onnxruntime_runs(device, precision):
             hint = " (1.1-1.7x faster on ONNX Runtime: pip install 'gpuserve[onnx]')"
         logger.info("text_embedding on torch (%s, %s)%s", device, precision, hint)
+
+
+def choose_split(embedder: SentenceEmbedder) -> int | None:
+    """Set :attr:`SentenceEmbedder.torch_from_rows` from :func:`measured_times` (see
+    :mod:`gpuserve.models.execution_choice`); returns it."""
+    times = measured_times(embedder)
+    embedder.torch_from_rows = split = torch_from_rows(times)
+    logger.info(
+        "text_embedding: ONNX Runtime / torch packed per batch: %s -> %s",
+        times.describe(),
+        "ONNX Runtime for every batch" if split is None else f"torch from {split} rows",
+    )
+    return split
+
+
+#: Times measured in this process, by graph, threads, truncation and CPUs: a model loaded
+#: again (another version, an instance more) is not measured again (about 1 s on one core).
+_MEASURED: dict[tuple[str, int, int, frozenset[int]], ExecutionTimes] = {}
+
+
+def measured_times(embedder: SentenceEmbedder) -> ExecutionTimes:
+    """ONNX Runtime against torch packed on sample batches, for an embedder on ONNX Runtime
+    with its torch weights."""
+    session = embedder.onnxruntime
+    if session is None:
+        raise RuntimeError("measured_times: the embedder is not on ONNX Runtime")
+    graph = session.source.removeprefix("cached ").removeprefix("exported to ")
+    key = (graph, session.threads, embedder.max_seq_len, frozenset(_cpus()))
+    times = _MEASURED.get(key)
+    if times is None:
+
+        def on(split: int | None):
+            def run(texts):
+                embedder.torch_from_rows = split
+                return embedder.encode(texts)
+
+            return run
+
+        times = _MEASURED[key] = measure_executions(on(None), on(1))
+        embedder.torch_from_rows = None
+    return times
+
+
+def _cpus() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not on Linux
+        return set()
