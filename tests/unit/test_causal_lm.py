@@ -354,6 +354,53 @@ def test_step_batch_layout() -> None:
     assert second.mask.tolist() == [[True] * 4 + [False], [True] * 5]
 
 
+def test_decodes_of_far_apart_contexts_attend_in_buckets() -> None:
+    """A decode at 100 keys beside decodes at 3 to 9 keys gets a bucket of its own, so the
+    short ones are not padded to 100 keys; contexts close together stay in one call."""
+    long_table = list(range(10, 35))  # 25 blocks of 4
+    batch = StepBatch.build(
+        [
+            ChunkInput([1], 2, [0], sample=True),
+            ChunkInput([2], 99, long_table, sample=True),
+            ChunkInput([3], 8, [1, 2, 3], sample=True),
+        ],
+        block_size=4,
+    )
+    decode = batch.decode
+    assert decode is not None and decode.block_tables.shape == (3, 25)  # the whole group
+    assert [b.index.tolist() for b in decode.buckets] == [[0, 2], [1]]
+    short, long = decode.buckets
+    assert short.block_tables.tolist() == [[0, 0, 0], [1, 2, 3]]
+    assert short.key_mask.shape == (2, 1, 1, 12)
+    assert short.key_mask.sum(dim=-1).flatten().tolist() == [3, 9]
+    assert long.block_tables.tolist() == [long_table] and long.key_mask.all()
+    close = StepBatch.build(
+        [ChunkInput([1], 2, [0], sample=True), ChunkInput([2], 60, long_table, sample=True)],
+        block_size=4,
+    )
+    assert close.decode is not None and close.decode.buckets == ()  # 16 blocks apart
+
+
+def test_bucketed_decodes_give_the_logits_of_each_decode_alone(tiny: Tiny) -> None:
+    model = tiny.loaded.model
+    model.allocate_cache(num_blocks=40, block_size=BLOCK)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 100, 7)]
+    tables = [[0, 1], list(range(2, 28)), [28, 29, 30]]
+    for prompt, table in zip(prompts, tables, strict=True):
+        model.forward(StepBatch.build([ChunkInput(prompt, 0, table, False)], BLOCK))
+    decodes = [
+        ChunkInput([rng.randrange(VOCAB)], len(prompt), table, True)
+        for prompt, table in zip(prompts, tables, strict=True)
+    ]
+    batch = StepBatch.build(decodes, BLOCK)
+    assert batch.decode is not None and len(batch.decode.buckets) == 2
+    together = model.forward(batch)
+    for row, chunk in enumerate(decodes):  # the same K/V written again: same logits
+        alone = model.forward(StepBatch.build([chunk], BLOCK))
+        torch.testing.assert_close(together[row], alone[0], rtol=1e-5, atol=1e-5)
+
+
 def test_step_batch_refuses_a_short_block_table() -> None:
     with pytest.raises(ValueError, match="cannot hold 9 positions"):
         StepBatch.build([ChunkInput([1, 2], 7, [0, 1], sample=True)], block_size=4)

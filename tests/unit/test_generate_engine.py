@@ -239,8 +239,9 @@ def test_a_stop_token_id_ends_the_sequence_with_stop_and_is_left_out(
 def test_long_prompts_are_cut_so_decodes_keep_their_pace(folder: Path) -> None:
     """With ``decode_slowdown`` 2, once the engine has timed decode-only steps and a prefill
     (a clock the model advances by 10 ms a step plus 1 ms a token), every step carrying a
-    prompt chunk while sequences decode carries at most (2 - 1) x decode step / token cost
-    prompt tokens (about 12), and the long prompt still completes."""
+    prompt chunk while sequences decode takes about twice a step of its decodes alone (its
+    prompt tokens about (2 - 1) x decode step / token cost, 12 to 14), and the long prompts
+    still complete."""
     model = _model(folder, 512)
     now = [0.0]
     steps: list[tuple[int, int]] = []  # (decodes, prompt tokens) of each step
@@ -280,7 +281,9 @@ def test_long_prompts_are_cut_so_decodes_keep_their_pace(folder: Path) -> None:
         thread.join(30)
     mixed = [prompt for decodes, prompt in steps[first:] if decodes and prompt]
     assert mixed, "the prompts were prefilled while the short sequences decoded"
-    cap = engine.step_cost.prefill_cap(2.0, BLOCK)
-    assert cap is not None and cap <= 16
-    assert max(mixed[1:]) <= 16  # the first may precede the per-token cost being learnt
+    # the first may precede the per-token cost being learnt; the prior for its growth with
+    # position lets a chunk at position 0 a few tokens more than flat costs would
+    for decodes, prompt in [(d, p) for d, p in steps[first:] if d and p][1:]:
+        alone = 0.010 + 0.001 * decodes
+        assert alone + 0.001 * prompt <= 2.1 * alone or prompt <= BLOCK
     assert long.deltas[-1].completion_tokens == 120 and late.deltas[-1].completion_tokens == 120

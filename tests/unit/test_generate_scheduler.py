@@ -10,6 +10,7 @@ import pytest
 from gpuserve.engine.generate.blocks import BlockManager
 from gpuserve.engine.generate.scheduler import GenerationScheduler, StepPlan
 from gpuserve.engine.generate.sequence import Sequence, SequenceStatus
+from gpuserve.engine.generate.step_cost import PrefillAllowance
 from gpuserve.errors import InvalidInputError
 
 
@@ -336,24 +337,57 @@ def test_random_workload_runs_to_completion(seed: int):
     assert s.blocks.prefix_hit_tokens > 0  # and the shared prefixes were found
 
 
-def test_a_prefill_cap_holds_prompt_chunks_while_sequences_decode():
+class _Cap:
+    """A prefill limit of ``tokens`` prompt tokens a step (1 s a token, plus
+    ``per_position_s`` for each position), recording the decodes it was asked for."""
+
+    def __init__(self, tokens: int, per_position_s: float = 0.0) -> None:
+        self.tokens = tokens
+        self.per_position_s = per_position_s
+        self.asked: list[int] = []
+
+    def allowance(self, decodes: int) -> PrefillAllowance:
+        self.asked.append(decodes)
+        return PrefillAllowance(float(self.tokens), 1.0, self.per_position_s, 0.0, floor=0)
+
+
+def test_a_prefill_limit_holds_prompt_chunks_while_sequences_decode():
     s, _ = scheduler(budget=64)
     s.add(make(1, 3, max_tokens=50))
     step(s)  # seq 1's prompt: it decodes from now on
     s.add(make(2, 40, max_tokens=2))
     s.add(make(3, 40, max_tokens=2))
-    plan = s.schedule(prefill_cap=10)
+    cap = _Cap(10)
+    plan = s.schedule(cap)
+    assert cap.asked == [1]
     assert chunk_of(plan, 1) is not None and len(chunk_of(plan, 1)) == 1  # its decode
     assert len(chunk_of(plan, 2)) == 10 and chunk_of(plan, 3) is None  # 10 prompt tokens in all
     run(s, plan)
-    plan = s.schedule(prefill_cap=10)  # seq 2 goes on; seq 3 is admitted with what is left
+    plan = s.schedule(cap)  # seq 2 goes on; seq 3 is admitted with what is left
     assert len(chunk_of(plan, 2)) == 10 and chunk_of(plan, 3) is None
     run(s, plan)
-    assert s.schedule(prefill_cap=None).num_tokens == 1 + 20 + 40  # no cap: the budget rules
+    assert s.schedule(None).num_tokens == 1 + 20 + 40  # no limit: the budget rules
 
 
-def test_without_decodes_a_prefill_cap_does_not_apply():
+def test_a_chunk_deeper_in_its_prompt_gets_fewer_tokens():
+    s, _ = scheduler(budget=64)
+    s.add(make(1, 3, max_tokens=50))
+    step(s)
+    s.add(make(2, 60, max_tokens=2))
+    cap = _Cap(20, per_position_s=0.05)  # a token at position p costs 1 + p / 20 s
+    lengths = []
+    for _ in range(3):
+        plan = s.schedule(cap)
+        lengths.append(len(chunk_of(plan, 2)))
+        run(s, plan)
+    # 20 s each: 14 tokens from 0 (18.55 s), 10 from 14 (19.25 s), 8 from 24 (19 s)
+    assert lengths == [14, 10, 8]
+
+
+def test_without_decodes_a_prefill_limit_does_not_apply():
     s, _ = scheduler(budget=64)
     s.add(make(1, 40, max_tokens=2))
-    plan = s.schedule(prefill_cap=10)
+    cap = _Cap(10)
+    plan = s.schedule(cap)
     assert len(chunk_of(plan, 1)) == 40  # nothing decodes: nobody to hold back
+    assert cap.asked == []

@@ -57,9 +57,10 @@ class GenerateConfig(Strict):
             chunks): a long prompt is prefilled in chunks of at most this size, so running
             sequences keep getting their next tokens.
         decode_slowdown_limit: While sequences are decoding, prompt chunks are cut so that a
-            step takes at most this many times a step of decodes alone (learnt from the
-            steps run): prompts arriving never stall the running streams' next tokens by more
-            than this factor (at the cost of their own time to first token). None: every
+            step takes at most this many times a step of the same decodes alone (costs learnt
+            from the steps run: decode steps per batch size, prompt tokens by their position
+            and chunk size): prompts arriving never stall the running streams' next tokens by
+            more than this factor (at the cost of their own time to first token). None: every
             step may fill ``max_tokens_per_step`` with prompt chunks.
         max_waiting: Most sequences waiting for a slot; more are refused with 429.
         prefix_caching: Reuse the KV blocks of prompt prefixes already computed (a shared

@@ -12,9 +12,10 @@ allocated (:func:`select_attention`):
   ``scaled_dot_product_attention`` call over their block tables gathered into a padded
   ``[N, kv_heads, max_keys, head_dim]`` with a key mask; each prefill chunk in its own call
   (plain causal over its own K/V when it starts the sequence, else an offset causal mask over
-  the keys gathered from its blocks). Grouped-query attention never copies K/V per query
-  head: a decode folds each group's query heads into the query axis, a prefill uses SDPA's
-  ``enable_gqa``.
+  the keys gathered from its blocks). Decodes of widely different context lengths attend in
+  one call per bucket of similar lengths (``DecodeGroup.buckets``). Grouped-query attention
+  never copies K/V per query head: a decode folds each group's query heads into the query
+  axis, a prefill uses SDPA's ``enable_gqa``.
 * :class:`FlashAttention` (CUDA with ``flash_attn`` installed, half precision, blocks a
   multiple of 256 tokens, which its paged kernels require): ``flash_attn_varlen_func`` and
   ``flash_attn_with_kvcache`` read the blocks in place.
@@ -138,19 +139,35 @@ class SdpaAttention:
     ) -> torch.Tensor:
         decode = batch.decode
         assert decode is not None
+        if not decode.buckets:
+            return self._padded(query, key_cache, value_cache, decode.block_tables, decode.key_mask)
+        out = torch.empty_like(query)
+        for bucket in decode.buckets:  # contexts far apart: each padded to its own longest
+            out[bucket.index] = self._padded(
+                query[bucket.index], key_cache, value_cache, bucket.block_tables, bucket.key_mask
+            )
+        return out
+
+    def _padded(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        tables: torch.Tensor,
+        key_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One padded call: ``query`` ``[n, heads, d]`` against the keys of ``tables``
+        (int64 ``[n, width]``) where ``key_mask`` (bool ``[n, 1, 1, width * block]``) is set."""
         n, head_dim = query.shape[0], query.shape[-1]
-        # [N, max_blocks, block, kv, d] -> [N, kv, max_keys, d]; index_select over the
+        # [n, width, block, kv, d] -> [n, kv, width * block, d]; index_select over the
         # flattened tables: 2-3x faster on a CPU than advanced indexing with the 2-D table
-        tables = decode.block_tables
         shape = (n, tables.shape[1] * key_cache.shape[1], *key_cache.shape[2:])
         flat = tables.reshape(-1)
         k = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
         v = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        # the query heads sharing a kv head go on the query axis: [N, kv, group, d]
+        # the query heads sharing a kv head go on the query axis: [n, kv, group, d]
         q = query.view(n, self.num_kv_heads, self.group, head_dim)
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=decode.key_mask, scale=self.scale
-        )
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=self.scale)
         return attended.reshape(n, self.num_heads, head_dim)
 
 

@@ -8,7 +8,10 @@ pass runs on, once per step, so that no layer rebuilds an index or a mask:
 * each token's K/V goes to cache slot ``block_table[p // block_size] * block_size +
   p % block_size`` (``slot_mapping``);
 * decode chunks (one query token) attend together in one padded call
-  (:class:`DecodeGroup`), prefill chunks one call each (:class:`PrefillSpan`).
+  (:class:`DecodeGroup`), prefill chunks one call each (:class:`PrefillSpan`). Decodes whose
+  contexts differ widely (one at 2,000 keys beside short chats) attend in one call per
+  :class:`DecodeBucket` instead, so that no short sequence is padded to the longest one's
+  keys: on a CPU the padded call would gather and attend ``N x longest`` keys per layer.
 """
 
 from __future__ import annotations
@@ -61,6 +64,26 @@ class PrefillSpan:
     mask: torch.Tensor | None
 
 
+#: A decode joins a bucket when its block table is at most twice as long as the bucket's
+#: shortest, or at most this many blocks longer (padding that little costs less than a call).
+BUCKET_SPREAD_BLOCKS = 16
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decodes of similar context length, attended in one padded call.
+
+    Attributes:
+        index: int64 ``[n]``, the bucket's rows among the group's ``N`` decodes.
+        block_tables: int64 ``[n, width]``, their block tables padded with block 0.
+        key_mask: bool ``[n, 1, 1, width * block_size]``, True for each one's real keys.
+    """
+
+    index: torch.Tensor
+    block_tables: torch.Tensor
+    key_mask: torch.Tensor
+
+
 @dataclass(slots=True)
 class DecodeGroup:
     """All chunks of one query token, attended in one padded call.
@@ -73,6 +96,9 @@ class DecodeGroup:
             ``0..context_len-1`` of each sequence.
         context_lens: int32 ``[N]``, keys per sequence (``start + 1``).
         max_context_len: The largest of ``context_lens``.
+        buckets: When the contexts differ widely (:data:`BUCKET_SPREAD_BLOCKS`), the
+            decodes split by context length, each bucket padded to its own longest; empty
+            when one padded call over the whole group wastes little.
     """
 
     rows: torch.Tensor
@@ -80,6 +106,7 @@ class DecodeGroup:
     key_mask: torch.Tensor
     context_lens: torch.Tensor
     max_context_len: int
+    buckets: tuple[DecodeBucket, ...] = ()
 
 
 @dataclass(slots=True)
@@ -217,17 +244,56 @@ def _decode_group(
     block_size: int,
     device: torch.device | str,
 ) -> DecodeGroup:
+    padded, key_mask = _padded(tables, context_lens, block_size)
+    groups = _bucket_rows([len(table) for table in tables])
+    buckets: tuple[DecodeBucket, ...] = ()
+    if len(groups) > 1:
+        buckets = tuple(
+            DecodeBucket(
+                torch.tensor(group, dtype=torch.int64).to(device),
+                *(
+                    t.to(device)
+                    for t in _padded(
+                        [tables[i] for i in group], [context_lens[i] for i in group], block_size
+                    )
+                ),
+            )
+            for group in groups
+        )
+    return DecodeGroup(
+        rows=torch.tensor(rows, dtype=torch.int64).to(device),
+        block_tables=padded.to(device),
+        key_mask=key_mask.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
+        max_context_len=max(context_lens),
+        buckets=buckets,
+    )
+
+
+def _padded(
+    tables: list[list[int]], context_lens: list[int], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables padded with block 0 (int64 ``[n, width]``) and their key mask (bool
+    ``[n, 1, 1, width * block_size]``)."""
     width = max(len(table) for table in tables)
     padded = torch.zeros((len(tables), width), dtype=torch.int64)
     for i, table in enumerate(tables):
         padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     keys = torch.arange(width * block_size, dtype=torch.int32)
-    key_mask = (keys[None, :] < lens[:, None]).view(len(tables), 1, 1, -1)
-    return DecodeGroup(
-        rows=torch.tensor(rows, dtype=torch.int64).to(device),
-        block_tables=padded.to(device),
-        key_mask=key_mask.to(device),
-        context_lens=lens.to(device),
-        max_context_len=max(context_lens),
-    )
+    return padded, (keys[None, :] < lens[:, None]).view(len(tables), 1, 1, -1)
+
+
+def _bucket_rows(widths: list[int]) -> list[list[int]]:
+    """Rows (indices into ``widths``, block-table lengths) grouped shortest first: a row
+    opens a new bucket when it is more than twice as long as the current bucket's shortest
+    and more than :data:`BUCKET_SPREAD_BLOCKS` longer."""
+    order = sorted(range(len(widths)), key=widths.__getitem__)
+    groups = [[order[0]]]
+    for i in order[1:]:
+        shortest = widths[groups[-1][0]]
+        if widths[i] > 2 * shortest and widths[i] - shortest > BUCKET_SPREAD_BLOCKS:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return groups

@@ -126,7 +126,7 @@ class GenerationEngine:
         #: Steps carrying prompt chunks while sequences decode take at most this many times a
         #: decode-only step (None: the whole token budget; see step_cost.py).
         self.decode_slowdown = decode_slowdown
-        self.step_cost = StepCost()
+        self.step_cost = StepCost(decode_slowdown or 2.0, model.block_size)
         self.sampler = Sampler(eos_token_ids=model.eos_token_ids)
         self.stats = GenerationStats(kv_blocks=model.num_blocks, block_size=model.block_size)
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -157,9 +157,7 @@ class GenerationEngine:
             idle = not self._active
             if not self._take_commands(block=idle):
                 break
-            cap = None
-            if self.decode_slowdown is not None:
-                cap = self.step_cost.prefill_cap(self.decode_slowdown, self.model.block_size)
+            cap = self.step_cost if self.decode_slowdown is not None else None
             plan = self.scheduler.schedule(cap)
             if plan is None:
                 continue
@@ -261,8 +259,8 @@ class GenerationEngine:
         self.stats.steps += 1
         self.stats.step_tokens += plan.num_tokens
         now = self.clock()
-        decodes = sum(1 for c in chunks if len(c.token_ids) == 1)
-        self.step_cost.observe(decodes, plan.num_tokens - decodes, now - started)
+        prefill = [(c.start, len(c.token_ids)) for c in chunks if len(c.token_ids) > 1]
+        self.step_cost.observe(len(chunks) - len(prefill), prefill, now - started)
         for chunk, token in zip(sampling, sampled, strict=True):
             owner = self._active.get(chunk.seq.seq_id)
             if owner is not None:

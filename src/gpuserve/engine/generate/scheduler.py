@@ -14,10 +14,11 @@ Policy of :meth:`GenerationScheduler.schedule` (vLLM v1 style, no separate prefi
 * **Running first, oldest first**: every RUNNING sequence gets its next chunk within the token
   budget ``max_tokens_per_step``: one token when it is decoding, else the next piece of its
   prompt (chunked prefill). Decodes therefore keep flowing while a long prompt is prefilled.
-  While any sequence decodes, prompt chunks (running and admitted together) take at most
-  ``prefill_cap`` tokens of the step, when the engine sets one
+  While any sequence decodes, prompt chunks (running and admitted together) take what the
+  engine's :class:`PrefillLimit` allows for that many decodes, when it gives one
   (:mod:`~gpuserve.engine.generate.step_cost`: a step then takes a bounded multiple of a
-  decode-only step, so long prompts arriving never stall the running streams).
+  decode-only step, so long prompts arriving never stall the running streams; a chunk deep
+  in a long prompt gets fewer tokens than one at its start, as each costs more).
 * **Then admission**, FIFO: WAITING sequences start (up to ``max_running``) with a first chunk
   of the budget left; a prompt's cached prefix (:mod:`~gpuserve.engine.generate.blocks`) is
   not recomputed. A sequence that finds no blocks waits, and so do those behind it.
@@ -40,12 +41,14 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpuserve.engine.generate.blocks import BlockManager
 from gpuserve.engine.generate.sequence import FinishReason, Sequence, SequenceStatus
+from gpuserve.engine.generate.step_cost import PrefillAllowance
 from gpuserve.errors import InvalidInputError
 
-__all__ = ["GenerationScheduler", "ScheduledChunk", "SchedulerStats", "StepPlan"]
+__all__ = ["GenerationScheduler", "PrefillLimit", "ScheduledChunk", "SchedulerStats", "StepPlan"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,16 @@ class SchedulerStats:
     kv_cache_usage: float
     prefix_queries_tokens: int
     prefix_hit_tokens: int
+
+
+class PrefillLimit(Protocol):
+    """What holds prompt chunks back while sequences decode (the engine's
+    :class:`~gpuserve.engine.generate.step_cost.StepCost`)."""
+
+    def allowance(self, decodes: int) -> PrefillAllowance:
+        """The prompt tokens a step with ``decodes`` (>= 1) decodes may carry; asked once
+        per :meth:`GenerationScheduler.schedule` that has decodes, before any chunk."""
+        ...
 
 
 def _age(seq: Sequence) -> tuple[float, int]:
@@ -268,12 +281,12 @@ class GenerationScheduler:
 
     # -- one step --------------------------------------------------------------------------
 
-    def schedule(self, prefill_cap: int | None = None) -> StepPlan | None:
+    def schedule(self, prefill_limit: PrefillLimit | None = None) -> StepPlan | None:
         """Plan the next model step (see the module docstring for the policy).
 
         Args:
-            prefill_cap: Most prompt tokens the step may carry while a sequence decodes
-                (None: the whole budget).
+            prefill_limit: What the step's prompt chunks may take while a sequence decodes
+                (None: the whole token budget).
 
         Returns:
             The plan, or None when there is nothing to compute and nothing to report.
@@ -282,17 +295,19 @@ class GenerationScheduler:
         self._aborted = []
         self._drop_cancelled_and_expired(plan)
         budget = self.max_tokens_per_step
-        prefill = budget
-        if prefill_cap is not None and any(s.num_uncomputed == 1 for s in self._running):
-            prefill = min(budget, prefill_cap)
+        allowance: PrefillAllowance | None = None
+        if prefill_limit is not None:
+            decodes = sum(1 for s in self._running if s.num_uncomputed == 1)
+            if decodes:
+                allowance = prefill_limit.allowance(decodes)
 
         index = 0
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
             n = min(seq.num_uncomputed, budget)
             prompt = n > 1
-            if prompt:
-                n = min(n, prefill)
+            if prompt and allowance is not None:
+                n = allowance.fit(seq.num_computed, n)
             if n == 0:  # the engine neither sampled nor finished it (or no prefill is left)
                 index += 1
                 continue
@@ -304,8 +319,8 @@ class GenerationScheduler:
             else:
                 plan.chunks.append(self._chunk(seq, n))
                 budget -= n
-                if prompt:
-                    prefill -= n
+                if prompt and allowance is not None:
+                    allowance.spend(seq.num_computed, n)
                 index += 1
 
         if (  # an interactive sequence waits and bulk ones hold every slot: one makes room
@@ -328,20 +343,23 @@ class GenerationScheduler:
         while (
             self._waiting
             and len(self._running) < self.max_running
-            and min(budget, prefill) > 0
+            and budget > 0
             and not plan.preempted
         ):
             seq = self._waiting[0]
             match = self.blocks.match_prefix(seq.all_ids)
-            n = min(seq.num_tokens - match.num_tokens, budget, prefill)
-            if not self.blocks.allocate(seq, match, n):
+            n = min(seq.num_tokens - match.num_tokens, budget)
+            if allowance is not None and n > 1:
+                n = allowance.fit(match.num_tokens, n)
+            if n == 0 or not self.blocks.allocate(seq, match, n):
                 break
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self._running, seq, key=_age)
             plan.chunks.append(self._chunk(seq, n))
             budget -= n
-            prefill -= n
+            if allowance is not None and n > 1:
+                allowance.spend(match.num_tokens, n)
 
         plan.num_tokens = self.max_tokens_per_step - budget
         if not (plan.chunks or plan.expired or plan.aborted or plan.preempted):
