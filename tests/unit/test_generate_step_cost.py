@@ -34,7 +34,7 @@ def test_flat_costs_keep_a_step_within_the_slowdown():
     cost.observe(decodes=8, prefill=[], seconds=0.100)
     cost.observe(decodes=8, prefill=[(0, 200)], seconds=0.100 + 200 * 0.002)
     assert cost.decode_step_s == {8: pytest.approx(0.100)}
-    a, b, c = cost.token_costs() or (0.0, 0.0, 0.0)
+    a, b, _ = cost.token_costs() or (0.0, 0.0, 0.0)
     # one sample at mean position 99.5: the prior slope (doubling at 1,024) splits its cost
     assert a + b * 99.5 == pytest.approx(0.002)
     assert b == pytest.approx(a / PRIOR_DOUBLING_TOKENS)
@@ -63,7 +63,7 @@ def test_a_token_deep_in_a_prompt_costs_more_and_its_chunk_is_cut_shorter():
     early, late = cost.allowance(8), cost.allowance(8)
     n_early, n_late = _granted(early, 0), _granted(late, 1800)
     assert n_early > 90 and n_late < 40
-    for allowance, start, n in ((early, 0, n_early), (late, 1800, n_late)):
+    for start, n in ((0, n_early), (1800, n_late)):
         true = n * (0.001 + 1e-6 * (start + (n - 1) / 2))
         assert 0.090 < true <= 0.1005  # the step stays within 2 x its decodes
 
@@ -79,12 +79,14 @@ def test_decode_steps_are_timed_per_batch_size():
     cost.observe(decodes=2, prefill=[], seconds=0.150)  # one slow step moves the mean a fifth
     assert cost.decode_s(2) == pytest.approx(0.050 + 0.2 * 0.100)
     cost.observe(decodes=2, prefill=[(0, 100)], seconds=0.070 + 0.100)
-    a, b, c = cost.token_costs() or (0.0, 0.0, 0.0)
+    a, b, _ = cost.token_costs() or (0.0, 0.0, 0.0)
     assert a + b * 49.5 == pytest.approx(0.001)  # beyond the decodes of 2, per token
 
 
 def test_chunks_share_a_step_and_the_first_always_gets_the_floor():
-    allowance = PrefillAllowance(seconds=0.010, token_s=0.001, position_s=0.0, chunk_s=0.0, floor=16)
+    allowance = PrefillAllowance(
+        seconds=0.010, token_s=0.001, position_s=0.0, chunk_s=0.0, floor=16
+    )
     assert allowance.fit(0, 5) == 5  # what is wanted, when less fits
     assert _granted(allowance, 0) == 16  # 10 fit; the first chunk gets the floor
     assert allowance.seconds == pytest.approx(-0.006)
@@ -98,7 +100,7 @@ def test_chunks_share_a_step_and_the_first_always_gets_the_floor():
 def test_a_prefill_only_step_teaches_the_token_cost():
     cost = StepCost()
     cost.observe(decodes=0, prefill=[(0, 512)], seconds=0.512)
-    a, b, c = cost.token_costs() or (0.0, 0.0, 0.0)
+    a, b, _ = cost.token_costs() or (0.0, 0.0, 0.0)
     assert a + b * 255.5 == pytest.approx(0.001)
     cost.observe(decodes=0, prefill=[(0, 0)], seconds=1.0)  # nothing computed: ignored
     cost.observe(decodes=4, prefill=[], seconds=0.0)  # no time: ignored
@@ -112,7 +114,7 @@ def test_small_chunks_cost_more_per_token_and_the_fit_finds_the_chunk_cost():
     cost.observe(8, [], 0.100)
     for n in (16, 200, 40, 120, 16, 64, 200, 30) * 3:
         cost.observe(8, [(0, n)], 0.100 + 0.020 + 0.001 * n)
-    a, b, c = cost.token_costs() or (0.0, 0.0, 0.0)
+    a, _, c = cost.token_costs() or (0.0, 0.0, 0.0)
     assert a == pytest.approx(0.001, rel=0.1) and c == pytest.approx(0.020, rel=0.15)
     n = _granted(cost.allowance(8), 0)
     assert 70 <= n <= 82  # 0.100 s = 20 ms + 80 tokens
