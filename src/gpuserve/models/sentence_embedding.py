@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from gpuserve.models.bert import (
 )
 from gpuserve.models.bert_onnx import OrtSession, load_session
 from gpuserve.text.decode import decode_texts as decode_texts
+from gpuserve.text.encoded import EncodedTexts
 from gpuserve.text.truncation import PrefixTruncator, bounded_texts
 
 TOKENIZER_FILENAME = "tokenizer.json"
@@ -136,6 +138,8 @@ class SentenceEmbedder:
         self.torch_from_rows: int | None = None
         self._pin = device.type == "cuda"
         self._truncator: PrefixTruncator | None = None
+        #: Token ids the admission step computed, taken by :meth:`tokenize`.
+        self._encoded = EncodedTexts()
 
     @property
     def execution(self) -> str:
@@ -236,21 +240,32 @@ class SentenceEmbedder:
         characters; one the step did not cut, e.g. from another model's call) is cut first,
         with the same result: the work per text stays bounded by ``max_seq_len``.
         """
-        encodings = self.tokenizer.encode_batch_fast(bounded_texts(self.truncator(), list(texts)))
-        if not encodings:
+        texts = list(texts)
+        if not texts:
             empty = torch.zeros((0, 0), dtype=torch.int64)
             return TokenizedBatch(empty, empty, padded=False)
-        ids = torch.tensor([e.ids for e in encodings], dtype=torch.int64)
-        mask = torch.tensor([e.attention_mask for e in encodings], dtype=torch.int64)
-        padded = not bool(mask.all())
+        found = self._encoded.take(texts)
+        missing = [index for index, ids in enumerate(found) if ids is None]
+        if missing:  # not admitted here (another model's call, a repeat): tokenise those
+            chosen = bounded_texts(self.truncator(), [texts[i] for i in missing])
+            for index, e in zip(missing, self.tokenizer.encode_batch_fast(chosen), strict=True):
+                found[index] = e.ids[: sum(e.attention_mask)]
+        rows = cast(list[list[int]], found)
+        lengths = [len(row) for row in rows]
+        longest = max(lengths)
+        ids_np = np.full((len(rows), longest), PAD_ID, dtype=np.int64)
+        for index, row in enumerate(rows):
+            ids_np[index, : len(row)] = row
+        mask_np = (np.arange(longest)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+        ids, mask = torch.from_numpy(ids_np), torch.from_numpy(mask_np)
+        padded = min(lengths) < longest
         split = self.torch_from_rows
-        on_torch = self.onnxruntime is not None and split is not None and len(encodings) >= split
+        on_torch = self.onnxruntime is not None and split is not None and len(rows) >= split
         if padded and self.unpadded and (self.onnxruntime is None or on_torch):
-            packed = ids[mask.bool()]
-            lengths = tuple(int(n) for n in mask.sum(dim=1).tolist())
+            packed = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))
             if self._pin:
                 packed = packed.pin_memory()
-            return TokenizedBatch(ids, mask, padded, packed, lengths, on_torch)
+            return TokenizedBatch(ids, mask, padded, packed, tuple(lengths), on_torch)
         if self._pin:
             ids, mask = ids.pin_memory(), mask.pin_memory()
         return TokenizedBatch(ids, mask, padded, on_torch=on_torch)
@@ -262,7 +277,9 @@ class SentenceEmbedder:
         a copy of the tokenizer (made on first use), never the one the CPU stage uses."""
         truncator = self._truncator
         if truncator is None:  # two threads may both build one: harmless, one is kept
-            truncator = self._truncator = PrefixTruncator(self.tokenizer, self.max_seq_len)
+            truncator = PrefixTruncator(self.tokenizer, self.max_seq_len)
+            truncator.encoded = self._encoded
+            self._truncator = truncator
         return truncator
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:

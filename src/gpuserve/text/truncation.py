@@ -44,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuserve.text.encoded import EncodedTexts
+
 #: Initial prefix, characters per token of ``max_length``.
 FIRST_CHARS_PER_TOKEN = 8
 #: Hard cap of the prefix, characters per token of ``max_length``.
@@ -143,6 +145,9 @@ class PrefixTruncator:
     ) -> None:
         own = self.copy_of(tokenizer)
         self.tokenizer = own
+        #: Where texts tokenised whole within ``max_length`` leave their ids for the model's
+        #: CPU stage (:mod:`gpuserve.text.encoded`), or None.
+        self.encoded: EncodedTexts | None = None
         self.max_length = max_length
         self.strict = strict
         self.cuts = direction == "right"
@@ -216,8 +221,12 @@ class PrefixTruncator:
     def _whole(self, texts: list[str]) -> list[RowLength]:
         encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=True)
         out = []
+        encoded = self.encoded
         for text, encoding in zip(texts, encodings, strict=True):
-            full = len(encoding.ids)
+            ids = encoding.ids
+            full = len(ids)
+            if encoded is not None and full <= self.max_length:
+                encoded.put(text, ids)
             out.append(
                 RowLength(
                     min(full, self.max_length),
