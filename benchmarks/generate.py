@@ -13,7 +13,9 @@ Servers (``--servers``, comma-separated, measured in rounds so ratios come from 
 * ``llamacpp`` and ``transformers``: llama.cpp's server (llama-cpp-python) on the GGUF and
   ``transformers serve --continuous-batching`` on the same weights, started by
   ``benchmarks/generate_peers.py`` (set up with ``benchmarks/peers/setup_generate.sh``; a
-  peer that is not set up is skipped with the reason).
+  peer that is not set up is skipped with the reason). With ``--model-dir X.gguf`` llama.cpp
+  serves that file and transformers the folder ``hf/`` beside it
+  (``benchmarks/generate_larger_model.py`` writes both for a 360M model).
 
 Workload: prompts of real prose (``benchmarks/corpus.py``, the standard library's
 docstrings) of 20 to 2,000 tokens (log-uniform), ``max_tokens`` 32 to 256, greedy, EOS
@@ -78,6 +80,8 @@ from gpuserve.bench.generation import (  # noqa: E402
 )
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: gpuserve's and the in-process engine's KV cache unless --kv-cache-gib says otherwise
+KV_CACHE_BYTES = 1 << 30
 __all__ = ["RESULTS", "cpu_line", "log"]  # the other generation benchmarks read them here
 
 
@@ -137,7 +141,11 @@ def split_format(
 
 
 def chat_config(
-    model: Path, precision: str, max_running: int, weight_format: str | None = None
+    model: Path,
+    precision: str,
+    max_running: int,
+    weight_format: str | None = None,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
 ) -> str:
     weights = f", weight_format: {weight_format}" if weight_format else ""
     return (
@@ -145,7 +153,7 @@ def chat_config(
         f"huggingface: {{task: text-generation, model_dir: '{model}'}}\n"
         "instance_group: [{count: 1, kind: cpu}]\n"
         f"precision: {precision}\n"
-        "generate: {context_length: 4096, kv_cache_bytes: 1073741824, "
+        f"generate: {{context_length: 4096, kv_cache_bytes: {kv_cache_bytes}, "
         f"max_running: {max_running}, max_tokens_per_step: 512{weights}}}\n"
     )
 
@@ -194,14 +202,19 @@ def serve(root: Path, cores: str | None, *extra: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def gpuserve_server(
-    model: Path, precision: str, cores: str | None, max_running: int, weight_format: str | None
+    model: Path,
+    precision: str,
+    cores: str | None,
+    max_running: int,
+    weight_format: str | None,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
 ) -> Iterator[str]:
     """gpuserve serving ``model`` as ``chat``; yields its ``/v1`` URL."""
     root = Path(tempfile.mkdtemp(prefix="gen-bench-"))
     (root / "chat" / "1").mkdir(parents=True)
     (root / "chat" / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
     (root / "chat" / "config.yaml").write_text(
-        chat_config(model, precision, max_running, weight_format)
+        chat_config(model, precision, max_running, weight_format, kv_cache_bytes)
     )
     with serve(root, cores) as url:
         yield f"{url}/v1"
@@ -211,7 +224,12 @@ class InProcess:
     """The engine's own step loop on the same requests (the serving layer's limit)."""
 
     def __init__(
-        self, model: Path, precision: str, max_running: int, weight_format: str | None = None
+        self,
+        model: Path,
+        precision: str,
+        max_running: int,
+        weight_format: str | None = None,
+        kv_cache_bytes: int = KV_CACHE_BYTES,
     ) -> None:
         import torch
 
@@ -221,7 +239,7 @@ class InProcess:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
         loaded = load_causal_lm(model, dtype, weight_format=weight_format)
         per_block = loaded.model.cache_bytes_per_block(16)
-        blocks = (1 << 30) // per_block
+        blocks = kv_cache_bytes // per_block
         loaded.model.allocate_cache(blocks, 16)
         self.model = GenerationModel(loaded, "cpu", blocks, 16, 4096, loaded.eos_token_ids, None)
         self.max_running = max_running
@@ -397,7 +415,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "server named NAME@PRECISION+FORMAT (gpuserve@bf16+int4) sets its own",
     )
     parser.add_argument("--max-running", type=int, default=64)
-    parser.add_argument("--model-dir", type=Path, default=None, help="GGUF file or HF folder")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="GGUF file or HF folder (default: the embedded SmolLM2-135M-Instruct); a GGUF "
+        "is llama.cpp's too, and the folder hf/ beside it transformers'",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="gpuserve's and inprocess's KV cache"
+    )
     parser.add_argument("--server-cores", default=None, help="taskset list for the servers, e.g. 1")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--tag", default="cpu")
@@ -413,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.levels, args.prompt_tokens, args.max_tokens = "1,8", "20,400", "16,64"
     model = args.model_dir or default_model()
+    kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))
     levels = [int(x) for x in args.levels.split(",") if x]
     servers = [s for s in args.servers.split(",") if s]
     scenarios = set(args.scenario.split(","))
@@ -424,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     def inprocess(precision: str, weight_format: str | None) -> InProcess:
         key = (precision, weight_format)
         if key not in inprocs:
-            inprocs[key] = InProcess(model, precision, args.max_running, weight_format)
+            inprocs[key] = InProcess(
+                model, precision, args.max_running, weight_format, kv_cache_bytes
+            )
         return inprocs[key]
 
     tokenizer = inprocess(args.precision, args.weight_format).tokenizer
@@ -461,7 +491,12 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "gpuserve":
                     url = stack.enter_context(
                         gpuserve_server(
-                            model, precision, args.server_cores, args.max_running, weight_format
+                            model,
+                            precision,
+                            args.server_cores,
+                            args.max_running,
+                            weight_format,
+                            kv_cache_bytes,
                         )
                     )
                     model_id = "chat"
@@ -470,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                         import generate_peers
 
                         peer = stack.enter_context(
-                            generate_peers.start_peer(server, free_port(), args.server_cores)
+                            generate_peers.start_peer(
+                                server, free_port(), args.server_cores, model=args.model_dir
+                            )
                         )
                     except Exception as err:  # not set up: skipped, with the reason
                         log(f"  {server} skipped: {err}")
