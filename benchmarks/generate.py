@@ -393,6 +393,19 @@ async def hol_scenario(
 # -- main --------------------------------------------------------------------------------------
 
 
+def request_counts(requests: str, levels: list[int]) -> list[int]:
+    """Requests per level from ``--requests``: ``"16"`` at every level, ``"8,32"`` one per
+    level, empty: 2 x level and at least 8."""
+    given = [int(x) for x in requests.split(",") if x]
+    if not given:
+        return [max(8, 2 * c) for c in levels]
+    if len(given) == 1:
+        return given * len(levels)
+    if len(given) != len(levels):
+        raise SystemExit(f"--requests {requests}: one count, or one per level of {levels}")
+    return given
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -402,7 +415,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--levels", default="1,8,32,64")
     parser.add_argument("--open-loop", default="", help="fractions of capacity, e.g. 0.5,0.8,0.95")
     parser.add_argument(
-        "--requests", type=int, default=0, help="per level (default: 2 x level, >= 8)"
+        "--requests",
+        default="",
+        help="requests at each level: one count for all, or one per --levels entry "
+        "(default: 2 x level, >= 8)",
     )
     parser.add_argument("--prompt-tokens", default="20,2000")
     parser.add_argument("--max-tokens", default="32,256")
@@ -442,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model_dir or default_model()
     kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))
     levels = [int(x) for x in args.levels.split(",") if x]
+    counts = request_counts(args.requests, levels)
     servers = [s for s in args.servers.split(",") if s]
     scenarios = set(args.scenario.split(","))
     lengths = tuple(int(x) for x in args.prompt_tokens.split(","))
@@ -515,8 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     url, model_id = peer.base_url, peer.model
                     forced = peer.length_fields
-                for c in levels:
-                    count = args.requests or max(8, 2 * c)
+                for c, count in zip(levels, counts, strict=True):
                     jobs = build_jobs(tokenizer, count, args.seed + c, lengths, outputs)  # type: ignore[arg-type]
                     if "load" in scenarios:
                         if kind == "inprocess":

@@ -1,5 +1,5 @@
-"""The generation benchmark's choice of what each peer serves, and the larger random model
-(pure code: no server starts)."""
+"""The generation benchmark's choice of what each peer serves, its requests per level, and
+the larger random model (pure code: no server starts)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import generate
 import generate_larger_model as larger
 import generate_peers as peers
 
@@ -113,3 +114,11 @@ def test_larger_model_gguf_loads_in_gpuserve(tmp_path: Path) -> None:
     weight = model.tensors.get("model.layers.0.mlp.up_proj.weight")
     assert tuple(weight.shape) == (128, 64)
     assert 0.015 < float(weight.std()) < 0.025
+
+
+def test_requests_one_count_or_one_per_level() -> None:
+    assert generate.request_counts("", [1, 32]) == [8, 64]
+    assert generate.request_counts("16", [1, 32]) == [16, 16]
+    assert generate.request_counts("8,32", [1, 32]) == [8, 32]
+    with pytest.raises(SystemExit, match="one per level"):
+        generate.request_counts("8,16,32", [1, 32])
