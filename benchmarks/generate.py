@@ -36,6 +36,9 @@ flags of note) and PNG plots of tokens/s and p99 latencies against concurrency.
     .venv/bin/python benchmarks/generate.py --quick                    # ~3 min, gpuserve only
     .venv/bin/python benchmarks/generate.py --servers inprocess,gpuserve,llamacpp,transformers
     .venv/bin/python benchmarks/generate.py --scenario prefix,hol --servers gpuserve
+    .venv/bin/python benchmarks/generate_larger_model.py  # once: a 360M GGUF and its hf/
+    .venv/bin/python benchmarks/generate.py --servers gpuserve,llamacpp,transformers \\
+        --model-dir /work/peers-gen/smollm2-360m-random/smollm2-360m-random.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -486,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(
             [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
         ),
-        "model": model.name,
+        "model": str(model) if args.model_dir else model.name,
+        "kv_cache_bytes": kv_cache_bytes,
         "precision": args.precision,
         "weight_format": args.weight_format,
         "workload": f"prompts {lengths[0]}-{lengths[1]} tokens (log-uniform, stdlib prose), "
