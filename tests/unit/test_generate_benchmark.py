@@ -11,9 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import generate
 import generate_larger_model as larger
 import generate_peers as peers
+import generate_workload
 
 
 @pytest.fixture
@@ -117,8 +117,8 @@ def test_larger_model_gguf_loads_in_gpuserve(tmp_path: Path) -> None:
 
 
 def test_requests_one_count_or_one_per_level() -> None:
-    assert generate.request_counts("", [1, 32]) == [8, 64]
-    assert generate.request_counts("16", [1, 32]) == [16, 16]
-    assert generate.request_counts("8,32", [1, 32]) == [8, 32]
+    assert generate_workload.request_counts("", [1, 32]) == [8, 64]
+    assert generate_workload.request_counts("16", [1, 32]) == [16, 16]
+    assert generate_workload.request_counts("8,32", [1, 32]) == [8, 32]
     with pytest.raises(SystemExit, match="one per level"):
-        generate.request_counts("8,16,32", [1, 32])
+        generate_workload.request_counts("8,16,32", [1, 32])
