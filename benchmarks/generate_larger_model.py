@@ -132,15 +132,20 @@ def tensor_plan(shape: LlamaShape) -> Iterator[tuple[str, tuple[int, ...], str]]
     yield "output_norm.weight", (shape.hidden,), "F32"
 
 
+#: metadata this file sets itself: the writer adds the architecture; name and size say what
+#: this model is
+OWN_KEYS = ("general.architecture", "general.name", "general.size_label")
+
+
 def copied_fields(source: Path) -> Iterator[tuple[str, object, object, object]]:
     """(key, value, GGUF value type, array element type or None) of every metadata key of
     ``source`` to copy: all but the architecture's own (``llama.*``), the header's
-    (``GGUF.*``) and ``general.architecture`` (the writer adds it)."""
+    (``GGUF.*``) and :data:`OWN_KEYS`."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
     for key, field in reader.fields.items():
-        if key.startswith(("GGUF.", f"{ARCH}.")) or key == "general.architecture":
+        if key.startswith(("GGUF.", f"{ARCH}.")) or key in OWN_KEYS:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
