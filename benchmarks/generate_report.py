@@ -47,6 +47,8 @@ def write_report(tag: str, command: str, results: dict[str, object]) -> Path:
         f"CPU: {results['cpu']}",
         "",
     ]
+    if results.get("model"):
+        lines += [f"Model: {results['model']}", ""]
     lines += [f"Workload: {results['workload']}", ""]
     rounds = results["load"]
     if rounds:
@@ -64,6 +66,8 @@ def write_report(tag: str, command: str, results: dict[str, object]) -> Path:
                     f"{level['finished']}/{level['requests']} |"
                 )
         lines.append("")
+    for server, why in dict(results.get("skipped") or {}).items():  # type: ignore[call-overload]
+        lines += [f"Skipped {server}: {why}", ""]
     for name in ("ratios", "prefix", "hol"):
         if results.get(name):
             lines += [f"## {name}", "", "```", json.dumps(results[name], indent=2), "```", ""]

@@ -83,8 +83,8 @@ else
 fi
 
 # --- 3. the same weights as a Hugging Face folder --------------------------------------------
-# transformers dequantises the Q4_1 GGUF to float32 on load; converting once keeps that out of
-# every server start. The folder carries the GGUF's chat template in its tokenizer config.
+# transformers dequantises the Q4_1 GGUF to float32 on load; converting once (gguf_to_hf.py)
+# keeps that out of every server start. The folder carries the GGUF's chat template.
 HF_DIR="$ROOT/smollm2-135m-hf"
 want="$(sha256sum "$GGUF_FILE" | cut -d' ' -f1) $TRANSFORMERS_PIN"
 if stamp_ok "$HF_DIR" "$want"; then
@@ -92,26 +92,7 @@ if stamp_ok "$HF_DIR" "$want"; then
 else
   say "smollm2-135m-hf: converting $(basename "$GGUF_FILE")"
   rm -rf "$HF_DIR.tmp"
-  HF_HUB_OFFLINE=1 "$TRANSFORMERS/bin/python" - "$GGUF_FILE" "$HF_DIR.tmp" <<'EOF'
-import os, sys
-from transformers import AutoModelForCausalLM, AutoTokenizer
-path, out = sys.argv[1], sys.argv[2]
-folder, name = os.path.split(path)
-tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
-# Without the `kernels` package (weights kept in GGUF blocks) transformers dequantises into
-# plain float32 Linear layers, yet keeps the GGUF quantizer, which refuses save_pretrained:
-# drop it, after checking that nothing quantized is left.
-assert all(p.dtype.is_floating_point for p in model.parameters())
-assert {type(m).__name__ for m in model.modules()} & {"GgufLinear", "GgufEmbedding"} == set()
-model.hf_quantizer = None
-if hasattr(model.config, "quantization_config"):
-    del model.config.quantization_config
-model.save_pretrained(out)
-tokenizer.save_pretrained(out)
-print(f"  {type(model).__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
-      f"eos {tokenizer.eos_token!r}, chat template {'yes' if tokenizer.chat_template else 'NO'}")
-EOF
+  HF_HUB_OFFLINE=1 "$TRANSFORMERS/bin/python" "$HERE/gguf_to_hf.py" "$GGUF_FILE" "$HF_DIR.tmp"
   rm -rf "$HF_DIR"
   mv "$HF_DIR.tmp" "$HF_DIR"
   echo "$want" > "$HF_DIR/.gpuserve-stamp"
