@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -126,6 +127,31 @@ def gate_problem(report: AccuracyReport, bounds: PrecisionCheckConfig) -> str | 
         f"precision {report.precision} fails precision_check against fp32 on "
         f"{report.texts} reference texts: {'; '.join(broken)}"
     )
+
+
+def reference_texts(
+    bounds: PrecisionCheckConfig, version_path: Path, minimum: int = 1
+) -> tuple[list[str], str]:
+    """The gate's reference texts (one a line; :data:`REFERENCE_RESOURCE` unless
+    ``reference_file`` names a file of the version folder) and where they came from.
+
+    Raises:
+        ValueError: ``reference_file`` unreadable or with fewer than ``minimum`` texts.
+    """
+    if bounds.reference_file is None:
+        return builtin_texts(REFERENCE_RESOURCE), "built-in reference sentences"
+    path = version_path / bounds.reference_file
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ValueError(f"precision_check.reference_file: cannot read {path}: {err}") from None
+    texts = [line.strip() for line in lines if line.strip()]
+    if len(texts) < minimum:
+        raise ValueError(
+            f"precision_check.reference_file: {path} has {len(texts)} texts; "
+            f"expected at least {minimum}"
+        )
+    return texts, str(path)
 
 
 def builtin_texts(resource: str) -> list[str]:

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gpuserve.backends import precision_gate
 from gpuserve.backends.precision_gate import (
-    REFERENCE_RESOURCE,
     AccuracyReport,
-    builtin_texts,
     compare,
     gate_problem,
 )
@@ -28,24 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 def reference_texts(bounds: PrecisionCheckConfig, version_path: Path) -> tuple[list[str], str]:
-    """The gate's texts and where they came from.
+    """The gate's texts and where they came from (at least 2: a spread needs two).
 
     Raises:
         ValueError: ``reference_file`` unreadable or with fewer than 2 texts.
     """
-    if bounds.reference_file is None:
-        return builtin_texts(REFERENCE_RESOURCE), "built-in reference sentences"
-    path = version_path / bounds.reference_file
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise ValueError(f"precision_check.reference_file: cannot read {path}: {err}") from None
-    texts = [line.strip() for line in lines if line.strip()]
-    if len(texts) < 2:
-        raise ValueError(
-            f"precision_check.reference_file: {path} has {len(texts)} texts; expected at least 2"
-        )
-    return texts, str(path)
+    return precision_gate.reference_texts(bounds, version_path, minimum=2)
 
 
 def embed_all(embedder: SentenceEmbedder, texts: list[str], batch: int = 32) -> np.ndarray:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from gpuserve.backends import precision_gate
 from gpuserve.backends.causal_lm.accuracy import (
     GenerationAccuracy,
     gate_problem,
@@ -24,7 +25,6 @@ from gpuserve.backends.causal_lm.accuracy import (
     score,
 )
 from gpuserve.backends.causal_lm.loader import LoadedCausalLM, load_causal_lm
-from gpuserve.backends.precision_gate import REFERENCE_RESOURCE, builtin_texts
 from gpuserve.config.precision import PrecisionCheckConfig
 from gpuserve.errors import ConfigError
 
@@ -41,17 +41,10 @@ def reference_texts(bounds: PrecisionCheckConfig, version_path: Path) -> tuple[l
     Raises:
         ConfigError: ``reference_file`` unreadable or empty.
     """
-    if bounds.reference_file is None:
-        return builtin_texts(REFERENCE_RESOURCE), "built-in reference sentences"
-    path = version_path / bounds.reference_file
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise ConfigError(f"precision_check.reference_file: cannot read {path}: {err}") from None
-    texts = [line.strip() for line in lines if line.strip()]
-    if not texts:
-        raise ConfigError(f"precision_check.reference_file: {path} holds no text")
-    return texts, str(path)
+        return precision_gate.reference_texts(bounds, version_path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_generation(
