@@ -27,6 +27,10 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   and 4, well below batches of 8 on a CPU; with two instances 4 and 4 stays 4 and 4 (the other
   instance's rows are not coming back yet). The window costs at most a tenth of a batch's
   time when nobody comes, and is skipped when it would be shorter than 1 ms (a timer tick).
+  Once answered clients are seen coming back within a tenth of a batch (a closed loop), the
+  window may last that whole tenth, beyond ``max_queue_delay_s``: where the HTTP layer shares
+  the CPU with the model, the answers and the returning requests take longer than the delay
+  (:mod:`gpuserve.engine.regather`).
 * **Length-aware batches**: when requests carry a cost (tokens per row, from their model's
   admission step), the leader is joined by the compatible requests of the nearest lengths only
   while the batch stays homogeneous in length and its padded tokens (rows x longest row) fit
@@ -58,6 +62,7 @@ from typing import TYPE_CHECKING
 from gpuserve.engine.batch import Batch, BatchResult, Pending
 from gpuserve.engine.bulk_policy import BulkPolicy
 from gpuserve.engine.lengths import extend_group, select_group
+from gpuserve.engine.regather import ReturnProbe
 from gpuserve.errors import OverloadedError
 
 if TYPE_CHECKING:
@@ -65,8 +70,6 @@ if TYPE_CHECKING:
 
 # Batch and Pending live in engine/batch.py, with the Batcher protocol this fulfils
 __all__ = ["Batch", "DynamicBatcher", "Pending", "batches_streams"]
-
-_MIN_REGATHER_S = 0.001
 
 
 def batches_streams(config: ModelConfig) -> bool:
@@ -171,6 +174,7 @@ class DynamicBatcher:
         self._last_rows = 0
         self._regather_until = float("-inf")  # see instance_freed
         self._regather_rows = 0
+        self._returns = ReturnProbe()
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
         # the priority levels, then the bulk lane's level
@@ -228,6 +232,7 @@ class DynamicBatcher:
         if not 1 <= item.priority <= len(self._levels):
             raise ValueError(f"priority {item.priority} not in 1..{len(self._levels)}")
         self._levels[item.priority - 1].append(item)
+        self._returns.arrived(item.arrival_s, item.rows)
         item.queued = True
         self._size += 1
         self._rows += item.rows
@@ -454,12 +459,11 @@ class DynamicBatcher:
 
     def instance_freed(self, now: float, service_s: float, rows: int) -> None:
         """An instance finished a batch of ``rows`` rows that took ``service_s`` seconds, at
-        ``now``: open the regather window (see the module docstring). No effect without
-        ``early_dispatch`` or with no queued rows."""
-        window = min(self.max_queue_delay_s, 0.1 * service_s)
-        # A window shorter than an event-loop timer tick (1 ms with uvloop/libuv) would wait
-        # a whole tick: not worth it for batches that fast.
-        if self.early_dispatch and window >= _MIN_REGATHER_S and self._rows:
+        ``now``: open the regather window (see the module docstring and
+        :mod:`gpuserve.engine.regather`). No window without ``early_dispatch``; with an empty
+        queue the window waits for the finished batch's rows alone."""
+        window = self._returns.window(now, service_s, rows, self.max_queue_delay_s)
+        if self.early_dispatch and window > 0:
             self._regather_until = now + window
             self._regather_rows = self.queued_rows + rows
 
