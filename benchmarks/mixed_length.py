@@ -255,8 +255,8 @@ def cosine(a: list[float], b: list[float]) -> float:
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)
 
 
-def measure(spec: servers.ServerSpec, mix: Mix, c: int, args: argparse.Namespace) -> dict:
-    """One closed-loop point with gpuserve's load generator."""
+def measure(spec: servers.ServerSpec, mix: Mix, c: int, args: argparse.Namespace, pid: int) -> dict:
+    """One closed-loop point with gpuserve's load generator (``pid``: the server's)."""
     from gpuserve.bench.loadgen import LoadSettings, run_async, run_level
     from gpuserve.bench.raw_target import RawHttpTarget
 
@@ -279,8 +279,13 @@ def measure(spec: servers.ServerSpec, mix: Mix, c: int, args: argparse.Namespace
             await target.close()
 
     before = servers.scrape_batches(spec)
+    threads_before = servers.thread_cpu_s(pid)
     level = run_async(one())
-    batches = servers.batch_means(before, servers.scrape_batches(spec))
+    threads_after = servers.thread_cpu_s(pid)
+    after = servers.scrape_batches(spec)
+    batches = servers.batch_means(before, after)
+    requests = servers.rows_done(after) - servers.rows_done(before)
+    cpu = servers.cpu_per_request(pid, threads_before, threads_after, requests)
     s = level.summary
     return {
         "server": spec.name,
@@ -296,6 +301,7 @@ def measure(spec: servers.ServerSpec, mix: Mix, c: int, args: argparse.Namespace
         "windows_rps": [w.throughput for w in level.windows],
         "client_cpu": level.client_cpu,
         "batches": batches,  # gpuserve's own histograms over the point (warm-up included)
+        "server_cpu_us": cpu,  # per request, by thread, over the same span
     }
 
 
@@ -330,7 +336,7 @@ def bench_server(
         )
         for mix in mixes:
             for c in args.conc:
-                point = measure(spec, mix, c, args)
+                point = measure(spec, mix, c, args, proc.pid)
                 res["points"].append(point)
                 tps = point["tokens_per_s"] or 0.0
                 log(

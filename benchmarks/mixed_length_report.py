@@ -188,6 +188,24 @@ def render(doc: dict) -> str:
                 f"{_f(b.get('padding_ratio'), 2)} |"
             )
         L.append("")
+    with_cpu = [p for res in doc["servers"] for p in res["points"] if p.get("server_cpu_us")]
+    if with_cpu:
+        L.append(
+            "Server CPU per request, microseconds (/proc per-thread times over each point, "
+            "warm-up included, divided by the rows the model ran): the event loop (main "
+            "thread: HTTP, admission, answers), the instance's execution thread (the busiest "
+            "other one) and every other thread:\n"
+        )
+        L.append("| server | mix | c | event loop | instance thread | other | total |")
+        L.append("|---|---|---|---|---|---|---|")
+        for p in with_cpu:
+            u = p["server_cpu_us"]
+            L.append(
+                f"| {p['server']} | {p['mix']} | {p['concurrency']} | "
+                f"{_f(u['event_loop_us'], 0)} | {_f(u['instance_us'], 0)} | "
+                f"{_f(u['other_us'], 0)} | {_f(u['total_us'], 0)} |"
+            )
+        L.append("")
     L.append("## Ratios (req/s; tokens/s in brackets)\n")
     L.append(
         "| mix | server | "

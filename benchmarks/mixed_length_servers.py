@@ -357,6 +357,54 @@ BATCH_HISTOGRAMS = {
 }
 
 
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) each thread of process ``pid`` has used, by thread id, from
+    ``/proc`` (empty where there is none). The main thread's id is ``pid``: in gpuserve it
+    runs the event loop (HTTP parsing, admission, answers); the others are the instances'
+    stage threads and the admission pool."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_per_request(
+    pid: int, before: dict[int, float], after: dict[int, float], requests: float
+) -> dict[str, float]:
+    """Microseconds of CPU per request between two :func:`thread_cpu_s` samples: the event
+    loop (main thread), the busiest other thread (an instance's execution thread, under
+    load) and every other thread together."""
+    if requests <= 0 or not after:
+        return {}
+    used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    loop = used.pop(pid, 0.0)
+    busiest = max(used.values(), default=0.0)
+    rest = sum(used.values()) - busiest
+    scale = 1e6 / requests
+    return {
+        "event_loop_us": loop * scale,
+        "instance_us": busiest * scale,
+        "other_us": rest * scale,
+        "total_us": (loop + busiest + rest) * scale,
+    }
+
+
+def rows_done(scrape: dict[str, float]) -> float:
+    """Rows the model has run, from a :func:`scrape_batches` result (one text per request:
+    requests)."""
+    return scrape.get("gpuserve_batch_size_sum", 0.0)
+
+
 def scrape_batches(spec: ServerSpec, model: str = "text_embedding") -> dict[str, float]:
     """``{histogram_sum: value, histogram_count: value}`` of :data:`BATCH_HISTOGRAMS` for
     ``model`` from a gpuserve server's ``/metrics`` (empty for other servers or on failure)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import corpus
 import mixed_length_inprocess
 import mixed_length_report as report
+import mixed_length_servers as servers
 
 
 def point(server: str, mix: str, c: int, rps: float) -> dict:
@@ -122,6 +124,27 @@ def test_targets_fail_when_throughput_falls_with_concurrency_or_trails_the_peer(
     assert judged["short: gpuserve / pytriton at c=8"] is False  # 1.0 < 1.5
     assert judged["short: gpuserve / pytriton at c=32"] is False  # 1.25 < 1.5
     assert "| FAIL |" in report.render(doc)
+
+
+def test_server_cpu_per_request_splits_the_event_loop_from_the_instance_thread():
+    before = {100: 1.0, 101: 2.0, 102: 0.5}
+    after = {100: 1.2, 101: 3.0, 102: 0.6, 103: 0.1}  # 103 started during the point
+    cpu = servers.cpu_per_request(100, before, after, requests=1000)
+    assert cpu == pytest.approx(
+        {"event_loop_us": 200.0, "instance_us": 1000.0, "other_us": 200.0, "total_us": 1400.0}
+    )
+    assert servers.cpu_per_request(100, before, {}, 1000) == {}
+    assert servers.cpu_per_request(100, before, after, 0) == {}
+    doc = document({1: 60.0, 8: 110.0, 32: 105.0}, {1: 55.0, 8: 70.0, 32: 60.0})
+    doc["servers"][0]["points"][-1]["server_cpu_us"] = cpu
+    assert "| gpuserve | short | 32 | 200 | 1000 | 200 | 1400 |" in report.render(doc)
+
+
+def test_thread_cpu_of_this_process_has_its_main_thread():
+    times = servers.thread_cpu_s(os.getpid())
+    if not times:
+        pytest.skip("no /proc here")
+    assert os.getpid() in times and all(t >= 0 for t in times.values())
 
 
 def test_in_process_sorted_batches_hold_texts_of_nearly_one_length():
