@@ -21,6 +21,22 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _point_table(doc: dict, key: str, intro: str, columns: list[tuple[str, str, int]]) -> list[str]:
+    """Markdown lines of a table with a row per point that has ``key`` (a dict of values):
+    ``columns`` are (header, field of that dict, decimals). Empty when no point has it."""
+    rows = [p for res in doc["servers"] for p in res["points"] if p.get(key)]
+    if not rows:
+        return []
+    out = [intro, "| server | mix | c | " + " | ".join(c[0] for c in columns) + " |"]
+    out.append("|---|---|---|" + "---|" * len(columns))
+    for p in rows:
+        values = p[key]
+        cells = " | ".join(_f(values.get(field), digits) for _, field, digits in columns)
+        out.append(f"| {p['server']} | {p['mix']} | {p['concurrency']} | {cells} |")
+    out.append("")
+    return out
+
+
 def points(doc: dict) -> dict[tuple[str, str, int], dict]:
     """(server, mix, c) -> the measured point."""
     return {
@@ -172,40 +188,35 @@ def render(doc: dict) -> str:
                 f"| {res['server']} | {mix} | {cells} | {_f(last and last['p99_ms'])} | {errors} |"
             )
     L.append("\n\\* the three windows of that point spread by more than 10%.\n")
-    with_batches = [p for res in doc["servers"] for p in res["points"] if p.get("batches")]
-    if with_batches:
-        L.append(
+    L.extend(
+        _point_table(
+            doc,
+            "batches",
             "Batches gpuserve formed (its /metrics histograms over each point, warm-up "
-            "included; tokens = real tokens, padding = padded / real tokens):\n"
+            "included; tokens = real tokens, padding = padded / real tokens):\n",
+            [
+                ("rows/batch", "rows_per_batch", 1),
+                ("tokens/batch", "tokens_per_batch", 0),
+                ("padding", "padding_ratio", 2),
+            ],
         )
-        L.append("| server | mix | c | rows/batch | tokens/batch | padding |")
-        L.append("|---|---|---|---|---|---|")
-        for p in with_batches:
-            b = p["batches"]
-            L.append(
-                f"| {p['server']} | {p['mix']} | {p['concurrency']} | "
-                f"{_f(b.get('rows_per_batch'))} | {_f(b.get('tokens_per_batch'), 0)} | "
-                f"{_f(b.get('padding_ratio'), 2)} |"
-            )
-        L.append("")
-    with_cpu = [p for res in doc["servers"] for p in res["points"] if p.get("server_cpu_us")]
-    if with_cpu:
-        L.append(
+    )
+    L.extend(
+        _point_table(
+            doc,
+            "server_cpu_us",
             "Server CPU per request, microseconds (/proc per-thread times over each point, "
             "warm-up included, divided by the rows the model ran): the event loop (main "
             "thread: HTTP, admission, answers), the instance's execution thread (the busiest "
-            "other one) and every other thread:\n"
+            "other one) and every other thread:\n",
+            [
+                ("event loop", "event_loop_us", 0),
+                ("instance thread", "instance_us", 0),
+                ("other", "other_us", 0),
+                ("total", "total_us", 0),
+            ],
         )
-        L.append("| server | mix | c | event loop | instance thread | other | total |")
-        L.append("|---|---|---|---|---|---|---|")
-        for p in with_cpu:
-            u = p["server_cpu_us"]
-            L.append(
-                f"| {p['server']} | {p['mix']} | {p['concurrency']} | "
-                f"{_f(u['event_loop_us'], 0)} | {_f(u['instance_us'], 0)} | "
-                f"{_f(u['other_us'], 0)} | {_f(u['total_us'], 0)} |"
-            )
-        L.append("")
+    )
     L.append("## Ratios (req/s; tokens/s in brackets)\n")
     L.append(
         "| mix | server | "

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from gpuserve.config import ModelConfig, TensorSpec
 from gpuserve.engine.batcher import DynamicBatcher, Pending
 from gpuserve.engine.regather import MIN_WINDOW_S, ReturnProbe
 from gpuserve.engine.request import InferenceRequest
@@ -140,3 +141,25 @@ def test_open_loop_arrivals_never_wait_past_the_delay():
         ready = max(previous_end, min(arrived))  # when the instance could have taken it
         assert start - ready <= 0.002 + 1e-9
         previous_end = start + per_row(rows)
+
+
+def test_adaptive_batching_keeps_the_delay_bound():
+    """Under adaptive batching the delay comes from a latency target: the same closed loop
+    keeps the window within it (and stays split), as the config wires it."""
+
+    def config(adaptive: dict | None) -> ModelConfig:
+        return ModelConfig(
+            name="m",
+            backend="python",
+            max_batch_size=64,
+            inputs=[TensorSpec(name="X", datatype="FP32", shape=[4])],
+            outputs=[TensorSpec(name="Y", datatype="FP32", shape=[4])],
+            dynamic_batching={"max_queue_delay_us": 2000, "adaptive": adaptive},
+        )
+
+    clients = [0.0001 * i for i in range(32)]
+    adaptive = DynamicBatcher.for_config(config({"target_p99_ms": 500}))
+    batches = run_loop(adaptive, clients, per_row, 0.002, until_s=3.0)
+    assert max(rows for _, rows, _ in batches[-10:]) < 32
+    plain = run_loop(DynamicBatcher.for_config(config(None)), clients, per_row, 0.002, 3.0)
+    assert [rows for _, rows, _ in plain[-5:]] == [32] * 5

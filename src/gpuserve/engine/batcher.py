@@ -114,6 +114,8 @@ class DynamicBatcher:
             bulk-led batch, and most that bulk rows add to an interactive-led one, seconds
             (:class:`~gpuserve.engine.bulk_policy.BulkPolicy`).
         bulk_quiet_s: How long after the last interactive arrival that bound holds, seconds.
+        regather_beyond_delay: Let the regather window pass ``max_queue_delay_s`` in a closed
+            loop (:mod:`gpuserve.engine.regather`); off under adaptive batching.
     """
 
     @classmethod
@@ -146,6 +148,7 @@ class DynamicBatcher:
             bulk_max_batch_size=db.bulk_max_batch_size or config.max_batch_size or 1,
             bulk_max_compute_s=db.bulk_max_compute_us / 1e6,
             bulk_quiet_s=db.bulk_quiet_us / 1e6,
+            regather_beyond_delay=db.adaptive is None,
         )
 
     def __init__(
@@ -162,6 +165,7 @@ class DynamicBatcher:
         bulk_max_batch_size: int | None = None,
         bulk_max_compute_s: float = 0.005,
         bulk_quiet_s: float = 1.0,
+        regather_beyond_delay: bool = True,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -174,7 +178,7 @@ class DynamicBatcher:
         self._last_rows = 0
         self._regather_until = float("-inf")  # see instance_freed
         self._regather_rows = 0
-        self._returns = ReturnProbe()
+        self._returns = ReturnProbe(regather_beyond_delay)
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
         # the priority levels, then the bulk lane's level

@@ -22,7 +22,8 @@ on their answers), and the next window may last the whole tenth of the batch, be
 ``max_queue_delay``, still ending as soon as the expected rows are queued. Under open-loop
 traffic below saturation arrivals do not follow completions, far fewer rows arrive in a tenth
 of a batch than it answered (at saturation about a tenth), and the window keeps the delay's
-bound. A delay of 0 never opens a window.
+bound. A delay of 0 never opens a window; with adaptive batching, which sets the delay from a
+latency target, the window keeps the delay's bound.
 
 A pure object: times are seconds on the caller's monotonic clock.
 """
@@ -39,11 +40,18 @@ RETURN_SHARE = 0.5
 
 
 class ReturnProbe:
-    """Whether answered clients come back at once, and the regather window that follows."""
+    """Whether answered clients come back at once, and the regather window that follows.
 
-    __slots__ = ("_answered", "_arrived", "_until", "returns_seen")
+    Args:
+        beyond_delay: Let the window pass ``max_queue_delay`` once returns are seen. False
+            keeps the delay's bound always (adaptive batching, which plans the delay against
+            a latency target).
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_answered", "_arrived", "_until", "beyond_delay", "returns_seen")
+
+    def __init__(self, beyond_delay: bool = True) -> None:
+        self.beyond_delay = beyond_delay
         #: The previous finished batch's clients came back within the probe (closed loop).
         self.returns_seen = False
         self._until = float("-inf")  # end of the current probe
@@ -69,7 +77,8 @@ class ReturnProbe:
         self._arrived = 0
         if max_queue_delay_s <= 0:
             return 0.0
-        window = share if self.returns_seen else min(max_queue_delay_s, share)
+        beyond = self.beyond_delay and self.returns_seen
+        window = share if beyond else min(max_queue_delay_s, share)
         return window if window >= MIN_WINDOW_S else 0.0
 
 
