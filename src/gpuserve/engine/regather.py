@@ -1,10 +1,11 @@
 """How long a batch may regather when an instance frees: the window of ``early_dispatch``.
 
-When an instance finishes a batch while rows are queued, the dynamic batcher holds the next
-batch for a short window so that the clients of the finished batch, just answered, can join
-it (a closed loop sends again at once; see :mod:`gpuserve.engine.batcher`). The window is the
-smaller of ``max_queue_delay`` and a tenth of the finished batch's time, so a batch waits for
-company no longer than the user's delay allows.
+When an instance finishes a batch, the dynamic batcher holds the next batch (the rows queued
+then, or the first to arrive) for a short window so that the clients of the finished batch,
+just answered, can join it (a closed loop sends again at once; see
+:mod:`gpuserve.engine.batcher`). The window is the smaller of ``max_queue_delay`` and a tenth
+of the finished batch's time, so a batch waits for company no longer than the user's delay
+allows.
 
 That cap is too short where the answers and the returning requests go through an HTTP layer
 that shares the CPU with the model (a server on one core): the event loop needs about a
