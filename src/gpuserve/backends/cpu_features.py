@@ -11,6 +11,8 @@ load logs a warning naming the missing instruction set.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,3 +93,22 @@ def require_cpu_precision(precision: str, probe: CpuFlagProbe | None = None) -> 
         caveat = int8_caveat(probe)
         if caveat is not None:
             logger.warning(caveat)
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity where the OS tells it, else the CPU
+    count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def compute_threads() -> int:
+    """Threads a CPU model computes its operators with: torch's (``OMP_NUM_THREADS`` or the
+    physical cores) when torch is loaded, else every usable core (what ONNX Runtime and most
+    runtimes take by default); torch is not imported for this."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return usable_cpus()
+    return int(torch.get_num_threads())

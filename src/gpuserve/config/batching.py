@@ -38,8 +38,9 @@ class DynamicBatchingConfig(_Strict):
             are queued as the previous batch carried (under a steady load that is all that is
             coming: waiting longer only idles the instance); and when an instance frees up,
             let a batch regather to that size for up to the smaller of the delay and a tenth
-            of the finished batch's time; up to the tenth alone once answered clients are
-            seen coming back at once, a closed loop (see :mod:`gpuserve.engine.batcher` and
+            of the finished batch's time; for one CPU instance whose threads take every
+            core, up to the tenth alone once answered clients are seen coming back at once,
+            a closed loop (see :mod:`gpuserve.engine.batcher` and
             :mod:`gpuserve.engine.regather`).
         adaptive: Adaptive batching settings; None (default) keeps the fixed delay.
         max_batch_tokens: Most padded tokens (rows x the longest row's tokens) in one batch of

@@ -27,10 +27,12 @@ Batch formation (the rules of Triton's dynamic batcher, with shape grouping adde
   and 4, well below batches of 8 on a CPU; with two instances 4 and 4 stays 4 and 4 (the other
   instance's rows are not coming back yet). The window costs at most a tenth of a batch's
   time when nobody comes, and is skipped when it would be shorter than 1 ms (a timer tick).
-  Once answered clients are seen coming back within a tenth of a batch (a closed loop), the
-  window may last that whole tenth, beyond ``max_queue_delay_s``: where the HTTP layer shares
-  the CPU with the model, the answers and the returning requests take longer than the delay
-  (:mod:`gpuserve.engine.regather`).
+  With ``regather_beyond_delay`` (one CPU instance that fills the cores), once answered
+  clients are seen coming back within a tenth of a batch (a closed loop), the window may last
+  that whole tenth, beyond ``max_queue_delay_s``: where the HTTP layer shares the CPU with the
+  model, the answers and the returning requests take longer than the delay
+  (:mod:`gpuserve.engine.regather`). A window only holds a batch of the finished batch's
+  shape, the one its clients come back with.
 * **Length-aware batches**: when requests carry a cost (tokens per row, from their model's
   admission step), the leader is joined by the compatible requests of the nearest lengths only
   while the batch stays homogeneous in length and its padded tokens (rows x longest row) fit
@@ -115,7 +117,7 @@ class DynamicBatcher:
             (:class:`~gpuserve.engine.bulk_policy.BulkPolicy`).
         bulk_quiet_s: How long after the last interactive arrival that bound holds, seconds.
         regather_beyond_delay: Let the regather window pass ``max_queue_delay_s`` in a closed
-            loop (:mod:`gpuserve.engine.regather`); off under adaptive batching.
+            loop (:mod:`gpuserve.engine.regather`: where waiting costs the model nothing).
     """
 
     @classmethod
@@ -125,12 +127,14 @@ class DynamicBatcher:
         max_batch_tokens: int | None = None,
         unpadded: bool = False,
         streams_batches: bool = False,
+        regather_beyond_delay: bool = False,
     ) -> DynamicBatcher:
         """The batcher of a version's ``max_batch_size`` and ``dynamic_batching`` settings
         (``max_batch_tokens``: the token budget, None for none; ``unpadded``: the instances
         run variable-length rows without padding; ``streams_batches``: a decoupled model's
         backend runs several streams in one call, see :func:`batches_streams`; without it a
-        decoupled model's batches hold one request each)."""
+        decoupled model's batches hold one request each; ``regather_beyond_delay``: see
+        :mod:`gpuserve.engine.regather`, never with adaptive batching)."""
         db = config.dynamic_batching
         one_each = config.model_transaction_policy.decoupled and not (
             streams_batches and batches_streams(config)
@@ -148,7 +152,7 @@ class DynamicBatcher:
             bulk_max_batch_size=db.bulk_max_batch_size or config.max_batch_size or 1,
             bulk_max_compute_s=db.bulk_max_compute_us / 1e6,
             bulk_quiet_s=db.bulk_quiet_us / 1e6,
-            regather_beyond_delay=db.adaptive is None,
+            regather_beyond_delay=regather_beyond_delay and db.adaptive is None,
         )
 
     def __init__(
@@ -165,7 +169,7 @@ class DynamicBatcher:
         bulk_max_batch_size: int | None = None,
         bulk_max_compute_s: float = 0.005,
         bulk_quiet_s: float = 1.0,
-        regather_beyond_delay: bool = True,
+        regather_beyond_delay: bool = False,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -178,6 +182,8 @@ class DynamicBatcher:
         self._last_rows = 0
         self._regather_until = float("-inf")  # see instance_freed
         self._regather_rows = 0
+        self._regather_key: Hashable = None  # the shape of the batch whose clients return
+        self._last_key: Hashable = None  # the shape of the last batch formed
         self._returns = ReturnProbe(regather_beyond_delay)
         self.preferred = sorted(set(preferred_batch_sizes or []))
         self.max_queue_size = max_queue_size
@@ -354,7 +360,7 @@ class DynamicBatcher:
             if lead is not None:
                 limit = max(head.rows, min(limit, lead))
         available = self._compatible_rows(head.shape_key, limit)
-        regathering = now < self._regather_until
+        regathering = self._regathering(head, now)
         # the same sum as next_wakeup's, so a timer fired at that time finds the batch due
         waited_out = now >= head.arrival_s + self.max_queue_delay_s and not regathering
         full = available >= limit
@@ -374,6 +380,7 @@ class DynamicBatcher:
         if not batch.items:
             return None
         self._last_rows = batch.rows
+        self._last_key = head.shape_key
         self._regather_until = float("-inf")  # a window serves one batch
         return batch
 
@@ -417,7 +424,7 @@ class DynamicBatcher:
                     work = self._work(group.items, group.rows, group.longest)
                     tokens = work + fill if tokens is None else min(tokens, work + fill)
                 group = extend_group(group, bulk_rows, limit, tokens, self.unpadded)
-        regathering = now < self._regather_until
+        regathering = self._regathering(head, now)
         waited_out = now >= head.arrival_s + self.max_queue_delay_s and not regathering
         preferred_hit = bool(self.preferred) and group.rows >= self.preferred[0]
         # as in next_batch: as many rows queued (of any length) as are expected back
@@ -449,6 +456,7 @@ class DynamicBatcher:
             tokens += item.tokens
             longest = max(longest, item.length)
         self._last_rows = rows
+        self._last_key = key
         self._regather_until = float("-inf")
         padded = tokens if self.unpadded else rows * longest  # what the model computes on
         return Batch(items, rows, now, tokens=tokens, padded_tokens=padded)
@@ -468,8 +476,15 @@ class DynamicBatcher:
         queue the window waits for the finished batch's rows alone."""
         window = self._returns.window(now, service_s, rows, self.max_queue_delay_s)
         if self.early_dispatch and window > 0:
+            key = self._last_key
             self._regather_until = now + window
-            self._regather_rows = self.queued_rows + rows
+            self._regather_key = key
+            self._regather_rows = self._compatible_rows(key, self.max_batch_size or 1) + rows
+
+    def _regathering(self, head: Pending, now: float) -> bool:
+        """Whether ``head``'s batch is in a regather window: one is open and the returning
+        rows (of the finished batch's shape) can join it."""
+        return now < self._regather_until and head.shape_key == self._regather_key
 
     def _take(self, key: Hashable, target: int, now: float, fill: int | None = None) -> Batch:
         """Up to ``target`` rows of shape ``key``, by level; at most ``fill`` bulk rows after

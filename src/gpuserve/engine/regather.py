@@ -18,13 +18,21 @@ and 5% more requests per second, the same at 8 clients).
 
 :class:`ReturnProbe` watches whether answered clients do come back: after each finished batch
 it counts the rows that arrive within a tenth of that batch's time. When at least half as
-many rows as the batch answered arrive that soon, the load is a closed loop (clients waiting
-on their answers), and the next window may last the whole tenth of the batch, beyond
-``max_queue_delay``, still ending as soon as the expected rows are queued. Under open-loop
+many rows as the batch answered (and at least :data:`MIN_RETURNS`) arrive that soon after two
+batches in a row, the load is a closed loop (clients waiting on their answers), and the next
+window may last the whole tenth of the batch, beyond ``max_queue_delay``, still ending as
+soon as the expected rows are queued. Under open-loop
 traffic below saturation arrivals do not follow completions, far fewer rows arrive in a tenth
 of a batch than it answered (at saturation about a tenth), and the window keeps the delay's
-bound. A delay of 0 never opens a window; with adaptive batching, which sets the delay from a
-latency target, the window keeps the delay's bound.
+bound. A delay of 0 never opens a window.
+
+Waiting pays only where the wait costs the model nothing: the runner allows the longer window
+(``beyond_delay``) only for a version with one instance, on a CPU, whose compute threads take
+every core the process may use, so that the event loop answering and admitting the returning
+clients runs on the model's cores (:func:`shares_cpu_with_event_loop`). With the event loop on
+a core of its own, the instance would idle through the window; with several instances one
+would wait for clients that another's batch holds; adaptive batching sets its delay from a
+latency target. All of those keep the delay's bound.
 
 A pure object: times are seconds on the caller's monotonic clock.
 """
@@ -36,8 +44,10 @@ from __future__ import annotations
 MIN_WINDOW_S = 0.001
 #: Share of a batch's time the window may last, and within which returns are counted.
 WINDOW_SHARE = 0.1
-#: Rows arriving within the probe, per row answered, that mark a closed loop.
+#: Rows arriving within the probe, per row answered, that mark a closed loop ...
 RETURN_SHARE = 0.5
+#: ... and at least this many (one Poisson arrival after a batch of one proves nothing).
+MIN_RETURNS = 4
 
 
 class ReturnProbe:
@@ -49,12 +59,14 @@ class ReturnProbe:
             a latency target).
     """
 
-    __slots__ = ("_answered", "_arrived", "_until", "beyond_delay", "returns_seen")
+    __slots__ = ("_answered", "_arrived", "_last_seen", "_until", "beyond_delay", "returns_seen")
 
     def __init__(self, beyond_delay: bool = True) -> None:
         self.beyond_delay = beyond_delay
-        #: The previous finished batch's clients came back within the probe (closed loop).
+        #: The clients of the two previous finished batches came back within their probes
+        #: (a closed loop; one probe alone is too easily met by chance).
         self.returns_seen = False
+        self._last_seen = False
         self._until = float("-inf")  # end of the current probe
         self._answered = 0  # rows the probed batch answered
         self._arrived = 0  # rows that arrived within the probe
@@ -71,7 +83,9 @@ class ReturnProbe:
         delay now (an adaptive policy may change it): the window's bound until returns are
         seen."""
         if self._answered:
-            self.returns_seen = self._arrived >= RETURN_SHARE * self._answered
+            seen = self._arrived >= max(MIN_RETURNS, RETURN_SHARE * self._answered)
+            self.returns_seen = seen and self._last_seen
+            self._last_seen = seen
         share = WINDOW_SHARE * service_s
         self._until = now + share
         self._answered = rows
@@ -83,4 +97,18 @@ class ReturnProbe:
         return window if window >= MIN_WINDOW_S else 0.0
 
 
-__all__ = ["MIN_WINDOW_S", "RETURN_SHARE", "WINDOW_SHARE", "ReturnProbe"]
+def shares_cpu_with_event_loop(instances: int, on_gpu: bool, threads: int, cpus: int) -> bool:
+    """Whether a version's one CPU instance computes on every core the process may use, so
+    that the event loop competes with it (``threads``: the model's compute threads; ``cpus``:
+    the cores the process may run on)."""
+    return instances == 1 and not on_gpu and threads >= cpus >= 1
+
+
+__all__ = [
+    "MIN_RETURNS",
+    "MIN_WINDOW_S",
+    "RETURN_SHARE",
+    "WINDOW_SHARE",
+    "ReturnProbe",
+    "shares_cpu_with_event_loop",
+]

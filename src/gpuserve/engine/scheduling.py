@@ -101,6 +101,10 @@ class SchedulerCore(Generic[W]):
     Args:
         config: The model's configuration (batching, priorities, timeouts, outputs).
         version: Version number as a string.
+        capabilities: What its instances declared at load (unpadded rows, streams).
+        on_gpu: Whether an instance runs on a GPU (the default token budget).
+        regather_beyond_delay: Let a closed loop's regather window pass the queue delay
+            (see :mod:`gpuserve.engine.regather`).
 
     Attributes:
         stats: Statistics of this version, recorded as requests and batches finish.
@@ -120,6 +124,7 @@ class SchedulerCore(Generic[W]):
         version: str,
         capabilities: Capabilities | None = None,
         on_gpu: bool = False,
+        regather_beyond_delay: bool = False,
     ) -> None:
         self.config = config
         self.name = config.name or ""
@@ -143,7 +148,11 @@ class SchedulerCore(Generic[W]):
             SequenceBatcher(config, lambda: self.instances, tokens)
             if sequence is not None  # a stateful model (engine/sequence/batcher.py)
             else DynamicBatcher.for_config(
-                config, tokens, capabilities.unpadded, capabilities.streams_batches
+                config,
+                tokens,
+                capabilities.unpadded,
+                capabilities.streams_batches,
+                regather_beyond_delay,
             )
         )
         self.adaptive = (

@@ -57,6 +57,8 @@ class BatchingRunner(VersionRunner):
         admission_pool: Threads for the admission steps of large requests (None: inline).
         clock: Monotonic clock, seconds (injectable for tests).
         on_gpu: Whether an instance runs on a GPU (the default token budget).
+        regather_beyond_delay: Let a closed loop's regather window pass the queue delay
+            (see :mod:`gpuserve.engine.regather`).
 
     Attributes:
         core: The scheduling core this drives.
@@ -76,10 +78,13 @@ class BatchingRunner(VersionRunner):
         clock: Callable[[], float] = time.monotonic,
         *,
         on_gpu: bool = False,
+        regather_beyond_delay: bool = False,
     ) -> None:
         capabilities = capabilities or Capabilities()
         super().__init__(config, version, capabilities, admission_pool, clock)
-        self.core: SchedulerCore[Instance] = SchedulerCore(config, version, capabilities, on_gpu)
+        self.core: SchedulerCore[Instance] = SchedulerCore(
+            config, version, capabilities, on_gpu, regather_beyond_delay
+        )
         self.stats = self.core.stats
         self.batcher = self.core.batcher
         self.adaptive = self.core.adaptive

@@ -24,10 +24,12 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from gpuserve.backends.base import Capabilities
+from gpuserve.backends.cpu_features import compute_threads, usable_cpus
 from gpuserve.config import ModelConfig
 from gpuserve.engine.admission import AdmissionPool
 from gpuserve.engine.batch import BatchResult
 from gpuserve.engine.instance import Instance
+from gpuserve.engine.regather import shares_cpu_with_event_loop
 from gpuserve.engine.runners.base import VersionRunner
 from gpuserve.engine.runners.batching import BatchingRunner
 from gpuserve.engine.runners.ensemble import EnsembleRunner, StepRouter
@@ -87,11 +89,22 @@ def build_runner(
             "generate(inputs), or Triton's TritonPythonModel with a response sender)"
         )
     on_gpu = any(instance.context.device.startswith("cuda") for instance in instances)
-    runner = (
-        StreamingRunner(config, version, capabilities, admission_pool, on_gpu=on_gpu)
-        if config.model_transaction_policy.decoupled
-        else BatchingRunner(config, version, capabilities, admission_pool, on_gpu=on_gpu)
-    )
+    if config.model_transaction_policy.decoupled:
+        runner: BatchingRunner = StreamingRunner(
+            config, version, capabilities, admission_pool, on_gpu=on_gpu
+        )
+    else:
+        shared = bool(instances) and shares_cpu_with_event_loop(
+            len(instances), on_gpu, compute_threads(), usable_cpus()
+        )
+        runner = BatchingRunner(
+            config,
+            version,
+            capabilities,
+            admission_pool,
+            on_gpu=on_gpu,
+            regather_beyond_delay=shared,
+        )
     relay.runner = runner
     runner.attach(instances, loop, respawn)
     return runner
