@@ -1,4 +1,6 @@
-"""What the CPU's instruction sets allow: the probe behind ``precision: bf16`` on a CPU.
+"""What the CPU offers: its instruction sets (the probe behind ``precision: bf16`` on a CPU),
+and the cores and compute threads this process has (:func:`usable_cpus`,
+:func:`compute_threads`).
 
 bf16 on a CPU runs at its speed only on cores with bf16 dot products (AVX-512 BF16, or AMX
 tiles on recent Xeons); elsewhere torch emulates it, slower than fp32. So a CPU instance
@@ -95,13 +97,17 @@ def require_cpu_precision(precision: str, probe: CpuFlagProbe | None = None) -> 
             logger.warning(caveat)
 
 
-def usable_cpus() -> int:
-    """Cores this process may run on (its affinity where the OS tells it, else the CPU
-    count)."""
+def usable_cpu_set() -> frozenset[int]:
+    """The cores this process may run on (its affinity); empty where the OS does not say."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return frozenset()
+
+
+def usable_cpus() -> int:
+    """How many cores this process may run on (:func:`usable_cpu_set`, else the CPU count)."""
+    return len(usable_cpu_set()) or os.cpu_count() or 1
 
 
 def compute_threads() -> int:

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from gpuserve.backends.base import LoadContext
-from gpuserve.backends.cpu_features import require_cpu_precision
+from gpuserve.backends.cpu_features import require_cpu_precision, usable_cpu_set
 from gpuserve.models.bert_onnx import cache_root
 from gpuserve.models.bert_onnx_int8 import INT8_SCHEMES
 from gpuserve.models.embedding_precision import check_precision
@@ -209,7 +208,7 @@ def measured_times(embedder: SentenceEmbedder) -> ExecutionTimes:
     if session is None:
         raise RuntimeError("measured_times: the embedder is not on ONNX Runtime")
     graph = session.source.removeprefix("cached ").removeprefix("exported to ")
-    key = (graph, session.threads, embedder.max_seq_len, frozenset(_cpus()))
+    key = (graph, session.threads, embedder.max_seq_len, usable_cpu_set())
     times = _MEASURED.get(key)
     if times is None:
 
@@ -223,10 +222,3 @@ def measured_times(embedder: SentenceEmbedder) -> ExecutionTimes:
         times = _MEASURED[key] = measure_executions(on(None), on(1))
         embedder.torch_from_rows = None
     return times
-
-
-def _cpus() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except AttributeError:  # not on Linux
-        return set()
