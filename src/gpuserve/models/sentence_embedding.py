@@ -256,13 +256,13 @@ class SentenceEmbedder:
         ids_np = np.full((len(rows), longest), PAD_ID, dtype=np.int64)
         for index, row in enumerate(rows):
             ids_np[index, : len(row)] = row
-        mask_np = (np.arange(longest)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
-        ids, mask = torch.from_numpy(ids_np), torch.from_numpy(mask_np)
+        real = np.arange(longest)[None, :] < np.asarray(lengths)[:, None]
+        ids, mask = torch.from_numpy(ids_np), torch.from_numpy(real.astype(np.int64))
         padded = min(lengths) < longest
         split = self.torch_from_rows
         on_torch = self.onnxruntime is not None and split is not None and len(rows) >= split
         if padded and self.unpadded and (self.onnxruntime is None or on_torch):
-            packed = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))
+            packed = torch.from_numpy(ids_np[real])  # row by row, real tokens only
             if self._pin:
                 packed = packed.pin_memory()
             return TokenizedBatch(ids, mask, padded, packed, tuple(lengths), on_torch)
